@@ -1,0 +1,224 @@
+"""Command line and YAML configuration, in Megatron-LM's flag spellings, and their validation.
+
+Precedence: built-in defaults < ``--config FILE.yaml`` < flags on the command line.
+YAML keys are the flag names without the leading dashes, with ``-`` or ``_``
+(``num-layers: 4`` or ``num_layers: 4``); an unknown key is an error, not a silent no-op.
+
+`validate_args` checks the whole TP x PP x CP x DP (x EP) grid before any process group
+or model exists, and reports every problem at once, each naming the flags and the fix.
+"""
+
+import argparse
+import os
+import sys
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad flag or config value; the message names the flag and the fix."""
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="defaults to --tensor-model-parallel-size, as in Megatron-LM")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA+NCCL when a GPU is visible, else CPU+gloo")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_model_args(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="defaults to 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="GQA groups; defaults to the head count")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim; defaults to hidden/heads")
+    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (None: dense MLP)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="defaults to --ffn-hidden-size")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--vocab-size", type=int, default=None, help="defaults to the tokenizer's")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--bf16", action="store_true")
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None, help="defaults to micro batch x DP")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="defaults to --train-iters")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--data-seed", type=int, default=None, help="defaults to --seed")
+
+
+ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="pretrain_moe.py",
+        description="Train a MoE GPT with megatron-core and cp_ext (Megatron-LM flag names).",
+    )
+    parser.add_argument("--config", default=None, help="YAML file of defaults; flags override it")
+    for add in ALL_GROUPS:
+        add(parser)
+    return parser
+
+
+def _apply_yaml_defaults(parser, path):
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    known = {action.dest for action in parser._actions}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known or dest == "config":
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+
+
+def parse_args(argv=None, world_size=None):
+    """Parse flags (+ YAML), fill derived values and validate. Raises ConfigError."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        _apply_yaml_defaults(parser, pre.config)
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    _fill_derived(args)
+    problems = validate_args(args)
+    if problems:
+        raise ConfigError("\n".join(f"  - {p}" for p in problems))
+    return args
+
+
+def _fill_derived(args):
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.num_query_groups = args.num_query_groups or args.num_attention_heads
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    args.data_seed = args.seed if args.data_seed is None else args.data_seed
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel if model_parallel and args.world_size % model_parallel == 0 else None
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # as in Megatron-LM: SP needs TP to split over
+    if args.global_batch_size is None and args.data_parallel_size:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+
+
+def validate_args(args):
+    """Every problem with the grid and shapes, as messages that name flags and fixes."""
+    p = []
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for flag, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
+                        ("--expert-tensor-parallel-size", etp), ("--micro-batch-size", args.micro_batch_size),
+                        ("--num-layers", args.num_layers), ("--seq-length", args.seq_length)]:
+        if value < 1:
+            p.append(f"{flag} {value}: must be >= 1")
+    if p:
+        return p
+    world = args.world_size
+    if world % (tp * pp * cp):
+        p.append(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
+                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}; "
+                 f"launch a multiple of {tp * pp * cp} ranks or change the sizes")
+    elif world % (etp * ep * pp):
+        p.append(f"world size {world} is not divisible by --expert-tensor-parallel-size ({etp}) x "
+                 f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}); change the expert sizes")
+    dp = args.data_parallel_size
+    if args.num_attention_heads % tp:
+        p.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                 f"--tensor-model-parallel-size {tp}; choose a TP size that divides the head count")
+    if args.num_query_groups % tp:
+        p.append(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
+                 f"use at least {tp} query groups or a smaller TP size")
+    if args.num_attention_heads % args.num_query_groups:
+        p.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
+                 f"{args.num_query_groups}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        p.append(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                 f"{args.num_attention_heads}; set --kv-channels or change the sizes")
+    if args.num_layers % pp:
+        p.append(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                 f"choose a PP size that divides the layer count")
+    if dp and args.global_batch_size % (args.micro_batch_size * dp):
+        p.append(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                 f"{args.micro_batch_size} x data-parallel size {dp}; use a multiple of "
+                 f"{args.micro_batch_size * dp}")
+    if args.num_experts is not None:
+        if args.num_experts % ep:
+            p.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        if args.moe_router_topk > args.num_experts:
+            p.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+        if tp > 1 and not args.sequence_parallel:
+            p.append(f"MoE with --tensor-model-parallel-size {tp} requires --sequence-parallel "
+                     f"(megatron-core's MoE layer needs it); add --sequence-parallel")
+    elif ep > 1:
+        p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
+    if args.sequence_parallel and args.seq_length % tp:
+        p.append(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                 f"(required by --sequence-parallel)")
+    if cp > 1 and args.seq_length % (2 * cp):
+        p.append(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} "
+                 f"(each CP rank holds two zigzag chunks); use a multiple of {2 * cp}")
+    if args.lr_warmup_iters > args.train_iters:
+        p.append(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
+    if args.min_lr > args.lr:
+        p.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.log_interval < 1:
+        p.append("--log-interval must be >= 1")
+    return p
+
+
+def parse_args_or_exit(argv=None):
+    """`parse_args`, but a ConfigError prints once (rank 0) and exits with status 2 on every rank."""
+    try:
+        return parse_args(argv)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_moe.py: configuration error:\n{e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,138 @@
+"""The MoE GPT: megatron-core's `GPTModel` assembled from a layer spec that cp_ext owns.
+
+The spec is megatron's local (non-TE) GPT layer spec with three seats re-filled:
+
+    TransformerLayer
+      input_layernorm    -> cp_ext SequenceParallelNorm        (SP without apex/TE)
+      self_attention     -> megatron SelfAttention (RoPE, GQA)
+        core_attention   -> cp_ext CoreAttention               (local today; CP-aware later)
+      pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
+      mlp                -> megatron MoELayer (TopKRouter + SequentialMLP experts)
+    final_layernorm      -> cp_ext SequenceParallelNorm
+
+Weights are initialized *layout-invariantly*: each parameter's full (unsharded)
+tensor is drawn from a generator seeded by (seed, the parameter's global checkpoint
+key), and each rank keeps its slice. The global key and the slice come from
+megatron's own `sharded_state_dict()`, the same map its checkpoints use, so the same
+``--seed`` builds the same model on any TP x PP x EP x CP grid.
+"""
+
+import hashlib
+import math
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.norms import SequenceParallelNorm
+
+
+def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """One transformer layer as data: megatron's local spec with cp_ext's norms and attention."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization)
+    layer = spec.submodules
+    layer.input_layernorm = SequenceParallelNorm
+    layer.pre_mlp_layernorm = SequenceParallelNorm
+    layer.self_attention.submodules.core_attention = CoreAttention
+    return spec
+
+
+def get_block_spec(config: TransformerConfig, vp_stage=None) -> TransformerBlockSubmodules:
+    """The decoder block of this pipeline stage: its layers and the final norm."""
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[get_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm)
+
+
+def build_model(config: TransformerConfig, args, pre_process=None, post_process=None) -> GPTModel:
+    """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_block_spec(config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=args.rotary_base,
+    )
+    init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)
+    return model
+
+
+def _key_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_full_tensor(key: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """The full tensor behind a global checkpoint key, as megatron's default init would draw it."""
+    name = key.rsplit(".", 1)[-1]
+    if "norm" in name and name.endswith("weight") or key.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(_key_seed(seed, key))
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled output-layer init
+    return torch.randn(shape, generator=generator) * std
+
+
+def _iter_sharded_tensors(sharded):
+    """Flatten a (nested) sharded state dict into ShardedTensors, building factories."""
+    if isinstance(sharded, dict):
+        for value in sharded.values():
+            yield from _iter_sharded_tensors(value)
+    elif isinstance(sharded, (list, tuple)):
+        for value in sharded:
+            yield from _iter_sharded_tensors(value)
+    elif isinstance(sharded, ShardedTensorFactory):
+        yield from _iter_sharded_tensors(sharded.build())
+    elif isinstance(sharded, ShardedTensor):
+        yield sharded
+
+
+@torch.no_grad()
+def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method_std: float, num_layers: int) -> None:
+    """Fill every parameter with its slice of a full tensor seeded by (seed, global key).
+
+    Raises if any parameter is not covered, so a new module type cannot silently keep
+    a layout-dependent init.
+    """
+    params = {id(p): name for name, p in model.named_parameters()}
+    covered = set()
+    last_unit, last_full = None, None
+    for sharded in _iter_sharded_tensors(model.sharded_state_dict()):
+        local = sharded.data
+        if not isinstance(local, torch.Tensor) or local.numel() == 0:
+            continue
+        # Megatron stacks layers (and experts) on leading "prepend" axes. One layer's (one
+        # expert's) tensor is the unit we draw, so no rank ever materializes a whole stack.
+        prepend = sharded.prepend_axis_num
+        unit = (sharded.key, *sharded.global_offset[:prepend])
+        if unit != last_unit:
+            unit_key = ".".join(map(str, unit))
+            last_unit = unit
+            last_full = _init_full_tensor(unit_key, sharded.global_shape[prepend:], seed, init_method_std, num_layers)
+        index = tuple(
+            slice(offset, offset + size) for offset, size in zip(sharded.global_offset[prepend:], local.shape)
+        )
+        local.copy_(last_full[index].to(local.dtype))
+        base = local._base if local._base is not None else local
+        covered.add(id(base))
+        covered.add(id(local))
+    missing = [name for pid, name in params.items() if pid not in covered]
+    if missing:
+        raise RuntimeError(f"layout-invariant init does not cover parameters: {missing}")

@@ -1,0 +1,188 @@
+"""Run megatron-core's CUDA-only code paths on a CPU host, unchanged.
+
+This module owns every CPU accommodation cp_ext makes, and nothing else may branch
+on the device. `setup_platform()` is a no-op when CUDA is present: GPU runs execute
+megatron-core exactly as shipped. Without CUDA (or with `--device cpu`) it meets
+the few CUDA assumptions megatron-core 0.16.1 makes on the paths cp_ext uses
+(measured in shared/MEGATRON_ON_CPU.md):
+
+=========================================  ====================================================
+megatron-core assumes                      on CPU we provide
+=========================================  ====================================================
+``torch.cuda.current_device()``            the CPU device (layers, mappings, p2p, DDP buffers)
+``device="cuda"`` in factories             a TorchFunctionMode that maps cuda -> cpu
+(optimizer scalars, schedules' counters)
+``tensor.cuda()``                          identity
+``param.type() == 'torch.cuda.*Tensor'``   CPU tensors report their CUDA type name (clip_grads,
+(clip_grads, (distrib/fp16) optimizer)      the fp16/bf16 and distributed optimizers)
+CUDA RNG tracker (`fork`/`add`)            a tracker that saves/restores the CPU generator
+``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron bug: unguarded name)
+without TE)
+``torch.cuda.synchronize()``/streams       no-ops / the current (only) stream
+=========================================  ====================================================
+
+Everything here is idempotent and process-wide: call `setup_platform()` once, before
+building models. `teardown_platform()` exists for tests.
+"""
+
+import contextlib
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE_MODE = None
+_SAVED = {}
+
+# Tensor.type() names that megatron-core compares against, keyed by dtype.
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device):
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device requests to CPU inside any torch call.
+
+    Only three things are rewritten: a ``device=`` keyword naming cuda, ``Tensor.cuda()``
+    and ``Tensor.to("cuda")``, and the no-argument ``Tensor.type()`` (which megatron uses
+    as a dtype check spelled with CUDA type names).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[tensor.dtype]
+        elif func is torch.Tensor.cuda:
+            return args[0]
+        elif func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        return func(*args, **kwargs)
+
+
+def _make_cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+        """Megatron's named RNG streams, kept as CPU generator states.
+
+        Same contract as `CudaRNGStatesTracker`: `add(name, seed)` registers a stream and
+        `fork(name)` runs a block with that stream, restoring the default one after.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    return CpuRNGStatesTracker
+
+
+def _patch(obj, name, value):
+    _SAVED.setdefault((obj, name), getattr(obj, name, None))
+    setattr(obj, name, value)
+
+
+def cuda_is_usable(device=None):
+    """True when this process should run on CUDA: `device` ('cuda'/'cpu'/None=auto)."""
+    if device == "cpu":
+        return False
+    return torch.cuda.is_available()
+
+
+def setup_platform(device=None):
+    """Prepare megatron-core for this host. Returns the torch.device that models live on.
+
+    With CUDA (and `device` not 'cpu') nothing is changed and `cuda:LOCAL_RANK` is returned.
+    """
+    global _ACTIVE_MODE
+    if cuda_is_usable(device):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if _ACTIVE_MODE is not None:
+        return torch.device("cpu")
+
+    cpu = torch.device("cpu")
+    _patch(torch.cuda, "current_device", lambda: cpu)
+    _patch(torch.cuda, "synchronize", lambda device=None: None)
+    _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
+    _patch(torch.cuda, "manual_seed", lambda seed: None)  # the CPU seed is set by the caller
+    _patch(torch.cuda, "empty_cache", lambda: None)
+
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None)
+    tracker_class = _make_cpu_rng_tracker_class()
+    _patch(mcore_random, "CudaRNGStatesTracker", tracker_class)
+    # Drop any tracker built before setup so the next getter builds a CPU one.
+    mcore_random.initialize_rng_tracker(force_reset=True)
+
+    _ACTIVE_MODE = _CudaToCpuMode()
+    _ACTIVE_MODE.__enter__()
+    return cpu
+
+
+def teardown_platform():
+    """Undo `setup_platform` (tests only)."""
+    global _ACTIVE_MODE
+    if _ACTIVE_MODE is not None:
+        _ACTIVE_MODE.__exit__(None, None, None)
+        _ACTIVE_MODE = None
+    for (obj, name), value in reversed(list(_SAVED.items())):
+        if value is None:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+    _SAVED.clear()
+
+
+def platform_is_cpu():
+    """True while the CPU accommodations are active."""
+    return _ACTIVE_MODE is not None
+
+
+def distributed_backend(device):
+    """NCCL for CUDA devices, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"

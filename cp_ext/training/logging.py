@@ -1,0 +1,74 @@
+"""Megatron-style iteration lines, the format users' scripts grep:
+
+ iteration       25/     100 | consumed samples:          100 | elapsed time per iteration (ms): 812.3 |
+ learning rate: 2.900000E-03 | global batch size:     4 | lm loss: 5.123456E+00 |
+ load balancing loss: 1.012345E+00 | grad norm: 1.234 | tokens per second: 1261.0 | eta: 0:01:02 |
+
+(one line per --log-interval iterations; losses with 7 significant digits, averaged over
+the iterations since the last line.)
+"""
+
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def is_rank_0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank_0(message):
+    if is_rank_0():
+        print(message, flush=True)
+
+
+class IterationLog:
+    """Accumulates per-iteration metrics and prints one line every `log_interval` iterations."""
+
+    LOSS_KEYS = ("lm loss", "load balancing loss")
+
+    def __init__(self, args, tokens_per_iteration, stream=None):
+        self.args = args
+        self.tokens_per_iteration = tokens_per_iteration
+        self.stream = stream or sys.stdout
+        self._reset()
+
+    def _reset(self):
+        self.sums, self.count, self.elapsed = {}, 0, 0.0
+
+    def record(self, iteration, consumed_samples, elapsed_s, metrics):
+        self.count += 1
+        self.elapsed += elapsed_s
+        for key in self.LOSS_KEYS:
+            if key in metrics:
+                self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
+        if iteration % self.args.log_interval and iteration != self.args.train_iters:
+            return None
+        line = self.format(iteration, consumed_samples, metrics)
+        if is_rank_0():
+            print(line, file=self.stream, flush=True)
+        self._reset()
+        return line
+
+    def format(self, iteration, consumed_samples, metrics):
+        args = self.args
+        per_iter = self.elapsed / max(self.count, 1)
+        parts = [
+            f" iteration {iteration:8d}/{args.train_iters:8d}",
+            f"consumed samples: {consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
+            f"learning rate: {metrics['learning rate']:.6E}",
+            f"global batch size: {args.global_batch_size:5d}",
+        ]
+        for key in self.LOSS_KEYS:
+            if key in self.sums:
+                parts.append(f"{key}: {self.sums[key] / self.count:.6E}")
+        if metrics.get("grad norm") is not None:
+            parts.append(f"grad norm: {metrics['grad norm']:.3f}")
+        if metrics.get("skipped"):
+            parts.append("skipped iterations: 1")
+        parts.append(f"tokens per second: {self.tokens_per_iteration / max(per_iter, 1e-9):.1f}")
+        remaining = (args.train_iters - iteration) * per_iter
+        parts.append(f"eta: {timedelta(seconds=round(remaining))}")
+        return " | ".join(parts) + " |"

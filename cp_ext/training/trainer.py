@@ -1,0 +1,211 @@
+"""The training loop: megatron-core's schedules, DDP, optimizer and LR scheduler, wired once.
+
+    Trainer(args)            platform + process groups + model + optimizer + data
+      .train_step(it)        one global batch: forward/backward over all microbatches
+                             (1F1B when PP > 1), finalize grads, clip, step, LR step
+      .train()               the loop, logging Megatron-style iteration lines
+
+Nothing here branches on the device: `cp_ext.platform` makes CPU look like what
+megatron-core expects, so the GPU path is this same code with NCCL.
+"""
+
+import os
+import time
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    reduce_aux_losses_tracker_across_ranks,
+)
+
+from cp_ext.config import padded_vocab_size, transformer_config_from_args
+from cp_ext.data.embedded import EmbeddedTextDataset
+from cp_ext.models.gpt_moe import build_model
+from cp_ext.platform import distributed_backend, setup_platform
+from cp_ext.training.batches import microbatches
+from cp_ext.training.logging import IterationLog, print_rank_0
+
+
+def initialize_distributed(args, device):
+    """torch.distributed + megatron's parallel_state for the grid in `args`."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=distributed_backend(device),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of masked per-token losses and their count; megatron divides by the global count."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    return output, partial(loss_func, batch.loss_mask)
+
+
+class Trainer:
+    def __init__(self, args):
+        self.args = args
+        self.device = setup_platform(None if args.device == "auto" else args.device)
+        initialize_distributed(args, self.device)
+        self.dataset = EmbeddedTextDataset(args.seq_length)
+        vocab = args.vocab_size or self.dataset.vocab_size
+        args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+        self.config = transformer_config_from_args(args)
+        model = build_model(self.config, args).to(self.device)
+        if args.bf16:
+            model = Float16Module(self.config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.model = [DistributedDataParallel(self.config, ddp_config, model)]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.min_lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                adam_eps=args.adam_eps,
+                clip_grad=args.clip_grad,
+                bf16=args.bf16,
+                params_dtype=self.config.params_dtype,
+                use_distributed_optimizer=args.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if args.lr_warmup_iters else args.lr,
+            max_lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters,
+            lr_decay_steps=args.lr_decay_iters,
+            lr_decay_style=args.lr_decay_style,
+            start_wd=args.weight_decay,
+            end_wd=args.weight_decay,
+            wd_incr_steps=args.train_iters,
+            wd_incr_style="constant",
+        )
+        self.config.no_sync_func = self.model[0].no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    def train_step(self):
+        """One optimizer step on global batch `self.iteration`; returns its metrics."""
+        args = self.args
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = microbatches(
+            self.dataset, self.iteration, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            seed=args.data_seed, device=self.device,
+        )
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=self.model,
+            num_microbatches=self.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.iteration += 1
+        self.consumed_samples += args.global_batch_size
+        metrics = {"lm loss": self._global_lm_loss(reports), "grad norm": grad_norm,
+                   "learning rate": lr, "skipped": not update_successful}
+        metrics.update(self._aux_losses())
+        return metrics
+
+    def _global_lm_loss(self, reports):
+        """Token-weighted mean loss of the whole global batch, known on every rank.
+
+        Only last-stage, TP-rank-0 ranks contribute (TP ranks hold replicas of the same
+        loss); CP and DP ranks hold disjoint tokens, so a world sum is the global sum.
+        """
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+            for report in reports:
+                total += report["lm loss"].to(torch.float64)
+        dist.all_reduce(total)
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def _aux_losses(self):
+        """Per-layer-averaged MoE aux losses, as megatron's `track_moe_metrics` reports them."""
+        tracker = get_moe_layer_wise_logging_tracker()
+        if not tracker:
+            return {}
+        reduce_aux_losses_tracker_across_ranks()
+        num_moe_layers = self.config.num_layers
+        out = {}
+        for name, entry in tracker.items():
+            values = entry["values"].float() / self.num_microbatches
+            out[name.replace("_", " ")] = (values.sum() / num_moe_layers).item()
+        clear_aux_losses_tracker()
+        return out
+
+    def train(self):
+        args = self.args
+        log = IterationLog(args, tokens_per_iteration=args.global_batch_size * args.seq_length)
+        print_rank_0(
+            f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
+            f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {self.dp_size} "
+            f"(EP {args.expert_model_parallel_size}), {self.num_microbatches} microbatches/iteration, "
+            f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
+        )
+        history = []
+        while self.iteration < args.train_iters:
+            start = time.perf_counter()
+            metrics = self.train_step()
+            elapsed = time.perf_counter() - start
+            history.append(metrics)
+            log.record(self.iteration, self.consumed_samples, elapsed, metrics)
+        return history
+
+    def shutdown(self):
+        """Leave the process groups cleanly so torchrun sees every rank exit 0."""
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""The core-attention seat of megatron's `SelfAttention`: softmax(QK^T)V on local tensors.
+
+It keeps the interface of megatron-core's `DotProductAttention` (same constructor,
+``forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+packed_seq_params)`` on ``[s, b, heads, head_dim]``, output ``[s, b, heads * head_dim]``)
+so it slots into a layer spec unchanged. GQA is handled by the kernel
+(``enable_gqa``), never by materializing repeated KV heads.
+
+With context parallelism this module is where attention stops being local: the
+sequence shards are exchanged by the ring / Ulysses / hybrid algorithms in
+`cp_ext.attention`.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class CoreAttention(MegatronModule):
+    """Causal (or full) scaled-dot-product attention with megatron's DotProductAttention API."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("cp_ext attention supports neither packed sequences nor attention_bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
+        causal = mask_type == AttnMaskType.causal
+        seq, batch, heads, head_dim = query.shape
+        # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Dropout inside attention acts on head-sharded data: use the TP-rank stream.
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)

@@ -1,0 +1,31 @@
+#!/usr/bin/env python
+"""Pretrain a Mixture-of-Experts GPT with megatron-core and cp_ext.
+
+    torchrun --nproc-per-node 4 pretrain_moe.py --config configs/cpu_demo.yaml
+    torchrun ... pretrain_moe.py --config configs/X.yaml --num-layers 8   # flags override YAML
+
+Flags use Megatron-LM's spellings; `pretrain_moe.py --help` lists them.
+"""
+
+import warnings
+
+# megatron-core warns at import that apex/TE are absent; cp_ext does not need them.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
+# torch.distributed's renames, and a CUDA tuning hint the launch scripts already follow.
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+
+from cp_ext.arguments import parse_args_or_exit  # noqa: E402
+
+
+def main(argv=None):
+    args = parse_args_or_exit(argv)  # validated before any process group or model exists
+    from cp_ext.training.trainer import Trainer
+
+    trainer = Trainer(args)
+    trainer.train()
+    trainer.shutdown()
+
+
+if __name__ == "__main__":
+    main()
