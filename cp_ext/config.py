@@ -12,6 +12,22 @@ def padded_vocab_size(vocab_size, divisible_by, tp_size):
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def aux_loss_layout_factor(args):
+    """Undo megatron-core's layout-dependent MoE aux-loss strength under per-token loss.
+
+    With ``calculate_per_token_loss`` the router multiplies each rank's partial aux loss by
+    its *local* token count (moe/router.py, `attach_and_log_load_balancing_loss`), and
+    `finalize_model_grads` divides by the global count. The partial losses of the TP x CP
+    ranks sum to the whole microbatch's loss, but each is weighted by only 1/(TP x CP) of
+    the microbatch's tokens, so the aux-loss gradient shrinks by TP x CP (with sequence
+    parallelism; CP alone without it). Scaling the coefficient back makes the gradient
+    equal to the single-rank one; the logged aux loss divides the coefficient out and is
+    unaffected. Measured: router gradients 50% off at TP2+SP without this, 4e-7 with it.
+    """
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return tp * args.context_parallel_size
+
+
 def transformer_config_from_args(args) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
@@ -36,7 +52,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         moe_ffn_hidden_size=args.moe_ffn_hidden_size if args.num_experts else None,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff * aux_loss_layout_factor(args),
         # parallelism
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -51,8 +67,11 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # The per-token loss is summed and divided by the token count of the whole
         # global batch (DP x CP x microbatches), so every layout averages the same tokens.
         calculate_per_token_loss=True,
-        # cp_ext draws weights itself, layout-invariantly (cp_ext.models.gpt_moe).
-        perform_initialization=False,
+        # cp_ext overwrites every weight layout-invariantly (cp_ext.models.gpt_moe), but
+        # megatron's init must still run: it is what tags TP-sharded parameters with
+        # `tensor_model_parallel` (tensor_parallel/layers.py), which the grad-norm and
+        # clipping code reads. Without the tags TP ranks > 0 drop out of the grad norm.
+        perform_initialization=True,
         # fused kernels that exist only with apex/TE/CUDA
         bias_dropout_fusion=False,
         apply_rope_fusion=False,

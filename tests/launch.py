@@ -57,8 +57,8 @@ def worker_args(argv=None):
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--results-dir", required=True)
-    parser.add_argument("extra", nargs="*")
-    return parser.parse_args(argv)
+    args, args.extra = parser.parse_known_args(argv)
+    return args
 
 
 def write_results(results_dir, results):

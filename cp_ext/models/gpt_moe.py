@@ -23,13 +23,13 @@ import math
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from cp_ext.models.layout import iter_global_slices
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -77,31 +77,20 @@ def _key_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _init_full_tensor(key: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """The full tensor behind a global checkpoint key, as megatron's default init would draw it."""
+def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """The full tensor of one unit (see cp_ext.models.layout), drawn as megatron's default init would.
+
+    `key` (the checkpoint key) decides the distribution; `unit` seeds the generator.
+    """
     name = key.rsplit(".", 1)[-1]
     if "norm" in name and name.endswith("weight") or key.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith("bias"):
         return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(_key_seed(seed, key))
+    generator = torch.Generator().manual_seed(_key_seed(seed, unit))
     if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled output-layer init
     return torch.randn(shape, generator=generator) * std
-
-
-def _iter_sharded_tensors(sharded):
-    """Flatten a (nested) sharded state dict into ShardedTensors, building factories."""
-    if isinstance(sharded, dict):
-        for value in sharded.values():
-            yield from _iter_sharded_tensors(value)
-    elif isinstance(sharded, (list, tuple)):
-        for value in sharded:
-            yield from _iter_sharded_tensors(value)
-    elif isinstance(sharded, ShardedTensorFactory):
-        yield from _iter_sharded_tensors(sharded.build())
-    elif isinstance(sharded, ShardedTensor):
-        yield sharded
 
 
 @torch.no_grad()
@@ -114,25 +103,15 @@ def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method
     params = {id(p): name for name, p in model.named_parameters()}
     covered = set()
     last_unit, last_full = None, None
-    for sharded in _iter_sharded_tensors(model.sharded_state_dict()):
-        local = sharded.data
-        if not isinstance(local, torch.Tensor) or local.numel() == 0:
-            continue
-        # Megatron stacks layers (and experts) on leading "prepend" axes. One layer's (one
-        # expert's) tensor is the unit we draw, so no rank ever materializes a whole stack.
-        prepend = sharded.prepend_axis_num
-        unit = (sharded.key, *sharded.global_offset[:prepend])
-        if unit != last_unit:
-            unit_key = ".".join(map(str, unit))
-            last_unit = unit
-            last_full = _init_full_tensor(unit_key, sharded.global_shape[prepend:], seed, init_method_std, num_layers)
-        index = tuple(
-            slice(offset, offset + size) for offset, size in zip(sharded.global_offset[prepend:], local.shape)
-        )
-        local.copy_(last_full[index].to(local.dtype))
-        base = local._base if local._base is not None else local
-        covered.add(id(base))
-        covered.add(id(local))
+    for piece in iter_global_slices(model):
+        # One layer's (one expert's) tensor is the unit we draw, so no rank ever
+        # materializes a whole stack of layers or experts.
+        if piece.unit != last_unit:
+            last_unit = piece.unit
+            last_full = _init_full_tensor(piece.key, piece.unit, piece.unit_shape, seed, init_method_std, num_layers)
+        piece.local.copy_(last_full[piece.index].to(piece.local.dtype))
+        base = piece.local._base if piece.local._base is not None else piece.local
+        covered.update((id(base), id(piece.local)))
     missing = [name for pid, name in params.items() if pid not in covered]
     if missing:
         raise RuntimeError(f"layout-invariant init does not cover parameters: {missing}")

@@ -1,0 +1,90 @@
+"""Shared pieces of the ring algorithms: the ring P2P exchange and the log-sum-exp merge.
+
+Written once here and used by every variant (ring today, the Ulysses x ring hybrid next).
+All attention tensors in this package use the *kernel layout* ``[b, h, s, d]``; the
+log-sum-exp (LSE) is ``[b, h, s]`` in fp32 (fp64 for fp64 inputs).
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are merged / accumulated in: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RingComm:
+    """Send a tensor to the next rank of a ring group and receive one from the previous rank.
+
+    ``send_recv`` posts the exchange and returns the (not yet filled) receive buffer at once,
+    so the caller computes on the current block while the next one is in flight; ``wait``
+    blocks until every exchange posted since the last ``wait`` has finished. With NCCL the
+    pair is posted as one ``batch_isend_irecv`` group (two separate isend/irecv on a ring of
+    2 could deadlock); with gloo, plain ``isend``/``irecv``.
+
+    ``group`` may be any process group (the ring group of `cp_ext.parallel_state` by
+    default); prev/next are the *global* ranks of the neighbours inside it.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        self.global_ranks: List[int] = ranks
+        self.send_rank = ranks[(self.rank + 1) % self.world_size]
+        self.recv_rank = ranks[(self.rank - 1) % self.world_size]
+        self._batched = dist.get_backend(group) != "gloo"
+        self._reqs = []
+
+    def send_recv(self, to_send: torch.Tensor, recv_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Post: send ``to_send`` to the next rank, receive the previous rank's into a buffer."""
+        to_send = to_send.contiguous()
+        recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
+        if self._batched:
+            ops = [
+                dist.P2POp(dist.isend, to_send, self.send_rank, self.group),
+                dist.P2POp(dist.irecv, recv, self.recv_rank, self.group),
+            ]
+            self._reqs.extend(dist.batch_isend_irecv(ops))
+        else:
+            self._reqs.append(dist.isend(to_send, self.send_rank, group=self.group))
+            self._reqs.append(dist.irecv(recv, self.recv_rank, group=self.group))
+        return recv
+
+    def wait(self) -> None:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+
+
+def update_out_and_lse(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    seq_slice: slice = slice(None),
+) -> None:
+    """Merge one partial attention result into the running one, in place, in ``out``'s dtype.
+
+    ``out`` [b, h, s, d] / ``lse`` [b, h, s] are the running (normalised) output and LSE over
+    the keys seen so far (set A); ``block_out`` / ``block_lse`` are the kernel's result over a
+    new, disjoint key set B for the query rows ``seq_slice`` (all rows by default; the zigzag
+    ring updates only the second half of the rows on some steps). Over A u B:
+
+        lse_new = log(exp(lse_A) + exp(lse_B))            (torch.logaddexp)
+        out_new = (exp(lse_A) out_A + exp(lse_B) out_B) / exp(lse_new)
+                = out_A + sigmoid(lse_B - lse_A) * (out_B - out_A)
+
+    Rows outside ``seq_slice`` keep (out_A, lse_A): B contributed nothing to them, which is
+    exactly the merge with lse_B = -inf. The sigmoid/softplus form never exponentiates a
+    large number (and lse_B = -inf gives weight 0). ``block_out`` may be bf16/fp16; it is upcast before use.
+    """
+    o = out[:, :, seq_slice]
+    l = lse[:, :, seq_slice]
+    b_lse = block_lse.to(lse.dtype)
+    o.add_(torch.sigmoid(b_lse - l).unsqueeze(-1) * (block_out.to(out.dtype) - o))
+    l.copy_(torch.logaddexp(l, b_lse))

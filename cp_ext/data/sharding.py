@@ -1,0 +1,81 @@
+"""Sequence sharding for context parallelism: the zigzag (load-balanced causal) layout.
+
+The sequence is cut into ``2*C`` equal chunks; rank ``r`` of a ring of size ``C`` holds
+chunks ``r`` and ``2C-1-r`` (concatenated in that order)::
+
+    C = 4, 8 chunks:   | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+    rank 0: [0, 7]     rank 1: [1, 6]     rank 2: [2, 5]     rank 3: [3, 4]
+
+Under a causal mask, an early chunk is cheap and a late one expensive; pairing chunk r
+with chunk 2C-1-r gives every rank the same amount of work. Everything here is
+parameterised by ``(rank, size)`` of the group the sequence is sharded over (the whole CP
+group for pure ring attention, the ring sub-group for the Ulysses x ring hybrid).
+"""
+
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_seq_len(seq_len: int, size: int, layout: str = "zigzag") -> None:
+    """Raise a ValueError that names the fix if ``seq_len`` cannot be sharded over ``size`` ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
+    n = 2 * size if layout == "zigzag" else size
+    if seq_len % n != 0:
+        what = f"2 x C = 2 x {size} = {n}" if layout == "zigzag" else f"C = {size}"
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {what} ({layout} context-parallel sharding "
+            f"over {size} ranks cuts the sequence into {n} equal chunks); pad or truncate the sequence "
+            f"to a multiple of {n} (e.g. {seq_len + (-seq_len) % n}), or change --context-parallel-size"
+        )
+
+
+def zigzag_chunk_ids(rank: int, size: int) -> Tuple[int, int]:
+    """The two chunks (of ``2*size``) that ring rank ``rank`` holds, in local order."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} out of range for size {size}")
+    return rank, 2 * size - 1 - rank
+
+
+def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
+    """Global token positions held by ``rank`` (for position ids / RoPE), shape [seq_len // size]."""
+    check_seq_len(seq_len, size, "zigzag")
+    c = seq_len // (2 * size)
+    a, b = zigzag_chunk_ids(rank, size)
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
+
+
+def zigzag_shard(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This rank's zigzag shard of the full tensor ``x`` along ``dim`` (a new tensor)."""
+    check_seq_len(x.shape[dim], cp_size, "zigzag")
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    a, b = zigzag_chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def zigzag_unshard(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Gather the zigzag shards of ``group`` and put the full sequence back in order.
+
+    Inverse of ``zigzag_shard`` over the ranks of ``group`` (ordered by group rank). Not
+    differentiable (it is meant for outputs, checks and evaluation).
+    """
+    size = dist.get_world_size(group)
+    if x.shape[dim] % 2 != 0:
+        raise ValueError(f"a zigzag shard holds two equal chunks; local length {x.shape[dim]} is odd")
+    shards = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    chunks = [None] * (2 * size)
+    for r, shard in enumerate(shards):
+        a, b = zigzag_chunk_ids(r, size)
+        chunks[a], chunks[b] = shard.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def contiguous_shard(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Plain sharding: rank r holds the r-th of ``cp_size`` equal slices (for layout="contiguous")."""
+    check_seq_len(x.shape[dim], cp_size, "contiguous")
+    return x.chunk(cp_size, dim=dim)[cp_rank].contiguous()

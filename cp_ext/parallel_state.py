@@ -1,0 +1,143 @@
+"""Ulysses and ring sub-groups of megatron's context-parallel group.
+
+This *extends* ``megatron.core.parallel_state``; it does not fork it. Call
+``initialize_context_parallel(ulysses_size)`` after megatron's
+``parallel_state.initialize_model_parallel(..., context_parallel_size=C, ...)``. For every
+megatron CP group (rank list ``cp``, length C) it builds, with U = ulysses_size:
+
+* Ulysses groups: U adjacent entries of the CP rank list, ``cp[i*U:(i+1)*U]`` (meant to sit
+  inside a node; with TP > 1 the CP ranks are not adjacent globally, e.g. TP2 x CP4 gives
+  the CP group [0, 2, 4, 6] and, for U = 2, the Ulysses groups [0, 2] and [4, 6]);
+* ring groups: the C/U ranks with the same Ulysses rank, ``cp[j::U]`` ([0, 4], [2, 6]).
+
+Megatron's own CP group stays the full group, so its DDP gradient reduction over DP x CP
+and its expert folding are untouched. When a sub-group equals the whole CP group (U = 1
+for the ring, U = C for Ulysses) megatron's CP group object is reused.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+
+
+@dataclass
+class _ContextParallelState:
+    cp_size: int
+    ulysses_size: int
+    ulysses_group: dist.ProcessGroup
+    ulysses_ranks: List[int]
+    ring_group: dist.ProcessGroup
+    ring_ranks: List[int]
+
+
+_STATE: Optional[_ContextParallelState] = None
+
+
+def _new_group(ranks, cp_ranks, cp_group, desc):
+    from megatron.core import parallel_state as mpu
+
+    if list(ranks) == list(cp_ranks):
+        return cp_group
+    return mpu.create_group(ranks=list(ranks), group_desc=desc)
+
+
+def initialize_context_parallel(ulysses_size: int = 1) -> None:
+    """Build the Ulysses and ring sub-groups of every megatron CP group (collective, all ranks)."""
+    global _STATE
+    from megatron.core import parallel_state as mpu
+
+    if _STATE is not None:
+        raise RuntimeError("cp_ext context parallelism is already initialized; call destroy_context_parallel() first")
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError("call megatron's parallel_state.initialize_model_parallel(...) before initialize_context_parallel()")
+    cp_size = mpu.get_context_parallel_world_size()
+    if ulysses_size < 1 or cp_size % ulysses_size != 0:
+        raise ValueError(
+            f"--ulysses-size ({ulysses_size}) must be >= 1 and divide --context-parallel-size ({cp_size}); "
+            f"valid choices: {[u for u in range(1, cp_size + 1) if cp_size % u == 0]}"
+        )
+    my_cp_ranks = list(mpu.get_context_parallel_global_ranks())
+    cp_group = mpu.get_context_parallel_group()
+
+    # Every rank must create every group, in the same order: gather all CP rank lists.
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tuple(my_cp_ranks))
+    all_cp_groups = sorted(set(gathered))
+
+    me = dist.get_rank()
+    state = None
+    u, n_ring = ulysses_size, cp_size // ulysses_size
+    for cp in all_cp_groups:
+        ulysses = [cp[i * u:(i + 1) * u] for i in range(n_ring)]
+        rings = [cp[j::u] for j in range(u)]
+        mine = list(cp) == my_cp_ranks
+        u_groups = [_new_group(r, cp, cp_group if mine else None, "CP_ULYSSES") for r in ulysses]
+        r_groups = [_new_group(r, cp, cp_group if mine else None, "CP_RING") for r in rings]
+        if mine:
+            ui = next(i for i, r in enumerate(ulysses) if me in r)
+            ri = next(j for j, r in enumerate(rings) if me in r)
+            state = _ContextParallelState(cp_size, u, u_groups[ui], list(ulysses[ui]), r_groups[ri], list(rings[ri]))
+    assert state is not None, f"rank {me} is in none of the CP groups {all_cp_groups}"
+    _STATE = state
+
+
+def destroy_context_parallel() -> None:
+    """Forget the sub-groups (megatron's destroy_model_parallel / destroy_process_group frees them)."""
+    global _STATE
+    _STATE = None
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def _state() -> _ContextParallelState:
+    if _STATE is None:
+        raise RuntimeError("cp_ext context parallelism is not initialized; call cp_ext.parallel_state.initialize_context_parallel()")
+    return _STATE
+
+
+def get_ulysses_group() -> dist.ProcessGroup:
+    return _state().ulysses_group
+
+
+def get_ulysses_global_ranks() -> List[int]:
+    return list(_state().ulysses_ranks)
+
+
+def get_ulysses_rank() -> int:
+    s = _state()
+    return s.ulysses_ranks.index(dist.get_rank())
+
+
+def get_ulysses_world_size() -> int:
+    return _state().ulysses_size
+
+
+def get_ring_group() -> dist.ProcessGroup:
+    return _state().ring_group
+
+
+def get_ring_global_ranks() -> List[int]:
+    return list(_state().ring_ranks)
+
+
+def get_ring_rank() -> int:
+    return _state().ring_ranks.index(dist.get_rank())
+
+
+def get_ring_world_size() -> int:
+    return len(_state().ring_ranks)
+
+
+def get_ring_next_rank() -> int:
+    """Global rank this rank sends KV to."""
+    ranks = _state().ring_ranks
+    return ranks[(get_ring_rank() + 1) % len(ranks)]
+
+
+def get_ring_prev_rank() -> int:
+    """Global rank this rank receives KV from."""
+    ranks = _state().ring_ranks
+    return ranks[(get_ring_rank() - 1) % len(ranks)]
