@@ -14,6 +14,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", categ
 # torch.distributed's renames, and a CUDA tuning hint the launch scripts already follow.
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
 
 from cp_ext.arguments import parse_args_or_exit  # noqa: E402
 

@@ -202,6 +202,11 @@ class Trainer:
             elapsed = time.perf_counter() - start
             history.append(metrics)
             log.record(self.iteration, self.consumed_samples, elapsed, metrics)
+        if history:
+            print_rank_0(
+                f"training done: lm loss {history[0]['lm loss']:.4f} (iteration 1) -> "
+                f"{history[-1]['lm loss']:.4f} (iteration {self.iteration})"
+            )
         return history
 
     def shutdown(self):

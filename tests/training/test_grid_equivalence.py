@@ -29,7 +29,7 @@ LAYOUTS = {
     "tp1pp1dp1": (1, []),
     "tp2sp_dp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2"]),
-    "dp4": (4, []),
+    "dp4_distopt": (4, ["--use-distributed-optimizer"]),
     "dp4_ep2": (4, ["--expert-model-parallel-size", "2"]),
     "tp2pp2dp2_ep2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),

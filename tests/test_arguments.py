@@ -1,0 +1,86 @@
+"""Flags, YAML configs and the early, clear errors for a bad grid."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cp_ext.arguments import ConfigError, parse_args
+from tests.launch import REPO_ROOT
+
+MOE = ["--num-experts", "4", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "64"]
+
+
+def _error(argv, world_size):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv, world_size=world_size)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "argv, world, must_name",
+    [
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+         ["world size 6", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"]),
+        (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4", "--hidden-size", "48"], 3,
+         ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
+        (["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--num-query-groups", "1"], 2,
+         ["--num-query-groups 1"]),
+        (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, ["--num-layers 3", "--pipeline-model-parallel-size 2"]),
+        (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, ["--global-batch-size 6", "--micro-batch-size 2"]),
+        (MOE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, ["--num-experts 6", "--expert-model-parallel-size 4"]),
+        (MOE + ["--tensor-model-parallel-size", "2"], 2, ["--sequence-parallel"]),
+        (["--context-parallel-size", "2", "--seq-length", "30"], 2, ["--seq-length 30", "--context-parallel-size"]),
+    ],
+    ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp", "seq-vs-cp"],
+)
+def test_bad_grid_names_the_flags(argv, world, must_name):
+    message = _error(argv, world)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_all_problems_reported_together():
+    message = _error(["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-experts", "3",
+                      "--expert-model-parallel-size", "2"], 2)
+    assert "--num-layers 3" in message and "--num-experts 3" in message
+
+
+def test_good_grid_derives_dp_and_batch():
+    args = parse_args(MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"], world_size=8)
+    assert args.data_parallel_size == 4 and args.global_batch_size == 4 and args.expert_tensor_parallel_size == 2
+
+
+def test_yaml_supplies_defaults_and_flags_override(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num-layers: 6\nhidden_size: 96\nnum-attention-heads: 4\nlr: 0.01\n")
+    args = parse_args(["--config", str(cfg), "--num-layers", "2"], world_size=1)
+    assert (args.num_layers, args.hidden_size, args.lr) == (2, 96, 0.01)
+
+
+def test_yaml_unknown_key_is_an_error(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num-layer: 6\n")
+    assert "unknown key 'num-layer'" in _error(["--config", str(cfg)], 1)
+
+
+# Each bundled config and the world size it is written for.
+BUNDLED = {"cpu_demo.yaml": 4, "mixtral_8x7b_32k_2x8gpu.yaml": 16}
+
+
+def test_bundled_configs_parse():
+    found = sorted(n for n in os.listdir(REPO_ROOT / "configs") if n.endswith(".yaml"))
+    assert found == sorted(BUNDLED), "add new configs to BUNDLED with their world size"
+    for name, world in BUNDLED.items():
+        parse_args(["--config", str(REPO_ROOT / "configs" / name)], world_size=world)
+
+
+def test_bad_flags_fail_once_on_rank_0_before_any_work():
+    """Two ranks, a bad grid: exit status 2 on every rank, one message, no hang."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO_ROOT / "pretrain_moe.py"), "--num-layers", "3", "--pipeline-model-parallel-size", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr.split("configuration error")[0]

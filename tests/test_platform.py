@@ -1,0 +1,90 @@
+"""cp_ext.platform: megatron-core's CUDA assumptions met on CPU, and undone cleanly.
+
+Runs in a subprocess per test so the process-wide mode never leaks into other tests.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.launch import REPO_ROOT
+
+
+def _run(code):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_cuda_requests_land_on_cpu():
+    out = _run("""
+        import torch
+        from cp_ext.platform import setup_platform, platform_is_cpu
+        assert setup_platform("cpu") == torch.device("cpu") and platform_is_cpu()
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.tensor([1.0], device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+        x = torch.ones(3)
+        assert x.cuda() is x and x.to("cuda").device.type == "cpu"
+        # megatron's dtype checks spell CUDA type names; conversions still work
+        assert x.type() == "torch.cuda.FloatTensor" and x.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert x.type(torch.float64).dtype == torch.float64
+        torch.cuda.synchronize()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_rng_tracker_forks_cpu_streams():
+    out = _run("""
+        import torch
+        from cp_ext.platform import setup_platform
+        setup_platform("cpu")
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        tracker = get_cuda_rng_tracker()
+        tracker.add("stream-a", 17)
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        with tracker.fork("stream-a"):
+            a1 = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), before), "fork must restore the default stream"
+        with tracker.fork("stream-a"):
+            a2 = torch.rand(4)
+        torch.manual_seed(17); expect = torch.rand(8)
+        assert torch.equal(torch.cat([a1, a2]), expect), "the named stream must continue where it stopped"
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_megatron_gaps_filled_and_teardown_restores():
+    out = _run("""
+        import torch
+        original = torch.cuda.current_device
+        from cp_ext.platform import setup_platform, teardown_platform, platform_is_cpu
+        setup_platform("cpu")
+        from megatron.core.transformer.moe import moe_utils
+        assert moe_utils.te_general_gemm is None
+        teardown_platform()
+        assert not platform_is_cpu() and torch.cuda.current_device is original
+        assert torch.ones(1).type() == "torch.FloatTensor"
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_clip_grad_runs_on_cpu():
+    # megatron's clip_grad_by_total_norm_fp32 asserts CUDA float grads
+    out = _run("""
+        import torch
+        from cp_ext.platform import setup_platform
+        setup_platform("cpu")
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+        p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 2.0)
+        clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+        assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
+        print("ok")
+    """)
+    assert out.strip() == "ok"
