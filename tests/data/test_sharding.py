@@ -1,0 +1,70 @@
+"""zigzag_shard / zigzag_unshard / positions and the sequence-length errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import launch, worker_args, write_results  # noqa: E402
+
+from cp_ext.data import check_seq_len, contiguous_shard, zigzag_chunk_ids, zigzag_positions, zigzag_shard
+
+
+def test_zigzag_layout_by_hand():
+    x = torch.arange(16)  # C = 4: 8 chunks of 2
+    assert zigzag_shard(x, 0, 0, 4).tolist() == [0, 1, 14, 15]
+    assert zigzag_shard(x, 0, 1, 4).tolist() == [2, 3, 12, 13]
+    assert zigzag_shard(x, 0, 3, 4).tolist() == [6, 7, 8, 9]
+    assert [zigzag_chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert zigzag_positions(16, 2, 4).tolist() == [4, 5, 10, 11]
+    assert contiguous_shard(x, 0, 1, 4).tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_shards_partition_the_sequence_along_any_dim(size):
+    s = 2 * size * 5
+    x = torch.randn(3, s, 2)
+    shards = [zigzag_shard(x, 1, r, size) for r in range(size)]
+    pos = torch.cat([zigzag_positions(s, r, size) for r in range(size)])
+    assert sorted(pos.tolist()) == list(range(s))
+    assert torch.equal(torch.cat(shards, 1), x[:, pos])
+
+
+@pytest.mark.parametrize("layout,s,size,needle", [("zigzag", 30, 4, "2 x C = 2 x 4 = 8"), ("contiguous", 30, 4, "C = 4")])
+def test_indivisible_sequence_is_a_clear_error(layout, s, size, needle):
+    with pytest.raises(ValueError) as e:
+        check_seq_len(s, size, layout)
+    msg = str(e.value)
+    assert f"sequence length {s}" in msg and needle in msg and "pad" in msg and "32" in msg
+    fn = zigzag_shard if layout == "zigzag" else contiguous_shard
+    with pytest.raises(ValueError, match=f"sequence length {s}"):
+        fn(torch.zeros(s), 0, 0, size)
+
+
+@pytest.fixture(scope="module")
+def unshard_results():
+    return launch(__file__, 4)
+
+
+def test_unshard_puts_the_sequence_back(unshard_results):
+    for res in unshard_results.values():
+        assert res["world"] and res["pair"]
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    from cp_ext.data import zigzag_unshard
+
+    args = worker_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    x = torch.randn(2, 40, 3, generator=torch.Generator().manual_seed(0))
+    world = torch.equal(zigzag_unshard(zigzag_shard(x, 1, rank, 4), 1, None), x)
+    prank = dist.get_rank(pair)
+    pair_ok = torch.equal(zigzag_unshard(zigzag_shard(x, 1, prank, 2), 1, pair), x)
+    write_results(args.results_dir, {"world": world, "pair": pair_ok})
+    dist.destroy_process_group()
