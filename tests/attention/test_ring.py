@@ -200,5 +200,17 @@ def test_bad_sequence_length_is_a_clear_error(results):
     assert msg is not None and "28" in msg and "2 x C = 2 x 4 = 8" in msg and "pad" in msg, msg
 
 
+def test_balance_tool_zigzag_within_5_percent(capsys):
+    """tools/attention_balance.py replays `step_plan`: every causal pair once, zigzag max/mean <= 1.05."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "attention_balance.py"
+    spec = importlib.util.spec_from_file_location("attention_balance", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--seq-len-per-chunk", "6"]) == 0
+    assert "zigzag worst max/mean = 1.0000" in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     main()
