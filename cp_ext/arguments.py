@@ -27,6 +27,16 @@ def _add_parallel_args(parser):
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="defaults to --tensor-model-parallel-size, as in Megatron-LM")
+    g.add_argument("--ulysses-size", type=int, default=None,
+                   help="Ulysses (all-to-all) sub-group size U inside the CP group; C/U ranks form the ring. "
+                        "1 (default) is a pure ring, U = C pure Ulysses")
+    g.add_argument("--cp-load-balance", choices=["zigzag", "none"], default="zigzag",
+                   help="causal load balance of the ring's sequence shards")
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p"], default=None,
+                   help="Megatron-LM spelling: p2p = ring, a2a = Ulysses, a2a+p2p = hybrid "
+                        "(sizes from --hierarchical-context-parallel-sizes)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+                   help="with --cp-comm-type a2a+p2p: [a2a size, p2p size], i.e. [U, C/U]")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -142,10 +152,64 @@ def _fill_derived(args):
     args.data_seed = args.seed if args.data_seed is None else args.data_seed
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = args.world_size // model_parallel if model_parallel and args.world_size % model_parallel == 0 else None
+    args.ulysses_size = _resolve_ulysses_size(args)
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as in Megatron-LM: SP needs TP to split over
     if args.global_batch_size is None and args.data_parallel_size:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+
+
+def _resolve_ulysses_size(args):
+    """Megatron's --cp-comm-type spelling mapped onto cp_ext's one knob, the Ulysses size U.
+
+    Inconsistent combinations are left for `validate_args` to report (returns None).
+    """
+    cp, given = args.context_parallel_size, args.ulysses_size
+    implied = {None: given or 1, "p2p": 1, "a2a": cp}.get(args.cp_comm_type)
+    if args.cp_comm_type == "a2a+p2p":
+        sizes = args.hierarchical_context_parallel_sizes
+        implied = sizes[0] if sizes and len(sizes) == 2 and sizes[0] * sizes[1] == cp else None
+    if implied is None or (given is not None and given != implied):
+        return None
+    return implied
+
+
+def _context_parallel_problems(args):
+    p = []
+    cp, tp, u = args.context_parallel_size, args.tensor_model_parallel_size, args.ulysses_size
+    if u is None:
+        if args.cp_comm_type == "a2a+p2p":
+            p.append(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R with U x R = "
+                     f"--context-parallel-size {cp} (got {args.hierarchical_context_parallel_sizes})")
+        else:
+            p.append(f"--ulysses-size {args.ulysses_size} contradicts --cp-comm-type {args.cp_comm_type} "
+                     f"(p2p means U=1, a2a means U=C={cp}); give one of them")
+        return p
+    if u < 1 or cp % u:
+        p.append(f"--ulysses-size {u} must divide --context-parallel-size {cp}")
+        return p
+    if args.hierarchical_context_parallel_sizes and args.cp_comm_type != "a2a+p2p":
+        p.append("--hierarchical-context-parallel-sizes is only read with --cp-comm-type a2a+p2p")
+    heads, groups = args.num_attention_heads // max(tp, 1), args.num_query_groups // max(tp, 1)
+    if u > 1 and heads % u:
+        p.append(f"--num-attention-heads {args.num_attention_heads} / TP {tp} = {heads} query heads per TP rank "
+                 f"are not divisible by --ulysses-size {u}; Ulysses shards heads, choose U dividing {heads}")
+    if u > 1 and groups and groups % u and u % groups:
+        p.append(f"--num-query-groups {args.num_query_groups} / TP {tp} = {groups} KV heads per TP rank: "
+                 f"--ulysses-size {u} must divide them or be a multiple of them (then KV heads are replicated)")
+    if cp > 1 and args.attention_dropout:
+        p.append(f"--attention-dropout {args.attention_dropout} is not supported with --context-parallel-size {cp}; "
+                 f"set --attention-dropout 0")
+    chunks = 2 * cp if args.cp_load_balance == "zigzag" else cp
+    if cp > 1 and args.seq_length % chunks:
+        p.append(f"--seq-length {args.seq_length} is not divisible by {chunks} = "
+                 f"{'2 x ' if args.cp_load_balance == 'zigzag' else ''}--context-parallel-size {cp}"
+                 f"{' (with --cp-load-balance zigzag each CP rank holds two chunks)' if args.cp_load_balance == 'zigzag' else ''}"
+                 f"; use a multiple of {chunks}")
+    elif args.sequence_parallel and (args.seq_length // cp) % tp:
+        p.append(f"--seq-length {args.seq_length} / --context-parallel-size {cp} is not divisible by "
+                 f"--tensor-model-parallel-size {tp} (required by --sequence-parallel)")
+    return p
 
 
 def validate_args(args):
@@ -199,12 +263,7 @@ def validate_args(args):
                      f"(megatron-core's MoE layer needs it); add --sequence-parallel")
     elif ep > 1:
         p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
-    if args.sequence_parallel and args.seq_length % tp:
-        p.append(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
-                 f"(required by --sequence-parallel)")
-    if cp > 1 and args.seq_length % (2 * cp):
-        p.append(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} "
-                 f"(each CP rank holds two zigzag chunks); use a multiple of {2 * cp}")
+    p.extend(_context_parallel_problems(args))
     if args.lr_warmup_iters > args.train_iters:
         p.append(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
     if args.min_lr > args.lr:

@@ -1,9 +1,26 @@
-"""Map parsed arguments onto megatron-core's `TransformerConfig`, the one config every module reads."""
+"""cp_ext's options on megatron-core's `TransformerConfig`, and the map from parsed arguments."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class ContextParallelTransformerConfig(TransformerConfig):
+    """megatron's TransformerConfig plus how cp_ext splits the sequence.
+
+    ``context_parallel_size`` (megatron's own field) is C; the CP group is split into
+    Ulysses groups of ``ulysses_size`` ranks and rings of C / ``ulysses_size`` ranks.
+    """
+
+    ulysses_size: int = 1
+    """Ranks per Ulysses (all-to-all) group; 1 = pure ring, C = pure Ulysses."""
+
+    cp_layout: str = "zigzag"
+    """How the ring shards the sequence: "zigzag" (causal load balance) or "contiguous"."""
 
 
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
@@ -28,9 +45,11 @@ def aux_loss_layout_factor(args):
     return tp * args.context_parallel_size
 
 
-def transformer_config_from_args(args) -> TransformerConfig:
+def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return TransformerConfig(
+    return ContextParallelTransformerConfig(
+        ulysses_size=args.ulysses_size,
+        cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         # shape
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

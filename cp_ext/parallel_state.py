@@ -141,3 +141,21 @@ def get_ring_prev_rank() -> int:
     """Global rank this rank receives KV from."""
     ranks = _state().ring_ranks
     return ranks[(get_ring_rank() - 1) % len(ranks)]
+
+
+def get_context_parallel_positions(seq_len: int, layout: str = "zigzag", device=None):
+    """Global positions of the tokens this rank holds of a ``seq_len`` sequence (CP=1: all).
+
+    The one place the data loader, RoPE and the attention agree on who holds what; see
+    `cp_ext.data.sharding.context_parallel_positions` for the layout.
+    """
+    import torch
+
+    from cp_ext.data.sharding import context_parallel_positions
+
+    if _STATE is None or _STATE.cp_size == 1:
+        return torch.arange(seq_len, device=device)
+    return context_parallel_positions(
+        seq_len, ring_rank=get_ring_rank(), ring_size=get_ring_world_size(),
+        ulysses_rank=get_ulysses_rank(), ulysses_size=get_ulysses_world_size(), layout=layout, device=device,
+    )

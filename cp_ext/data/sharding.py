@@ -79,3 +79,48 @@ def contiguous_shard(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> t
     """Plain sharding: rank r holds the r-th of ``cp_size`` equal slices (for layout="contiguous")."""
     check_seq_len(x.shape[dim], cp_size, "contiguous")
     return x.chunk(cp_size, dim=dim)[cp_rank].contiguous()
+
+
+def context_parallel_positions(
+    seq_len: int, *, ring_rank: int, ring_size: int, ulysses_rank: int = 0, ulysses_size: int = 1,
+    layout: str = "zigzag", device=None,
+) -> torch.Tensor:
+    """Global positions of the tokens one CP rank holds, under the Ulysses x ring layout.
+
+    The ring shards the sequence (zigzag or contiguous over ``ring_size``); inside each ring
+    shard the ``ulysses_size`` ranks hold consecutive equal pieces, so an all-to-all over
+    the Ulysses group gathers exactly that ring shard, in order::
+
+        C = 4 = U2 x R2, zigzag, 16 tokens (4 chunks of 4):
+        ring rank 0 holds chunks (0, 3) = tokens 0-3, 12-15 -> Ulysses ranks: [0-3] [12-15]
+        ring rank 1 holds chunks (1, 2) = tokens 4-11       -> Ulysses ranks: [4-7] [8-11]
+
+    ``ulysses_size == 1`` is the plain ring layout, ``ring_size == 1`` plain Ulysses
+    (contiguous blocks). Shard any ``[.., s, ..]`` tensor with ``x.index_select(dim, positions)``.
+    """
+    check_seq_len(seq_len, ring_size * ulysses_size if layout == "contiguous" else ring_size, layout)
+    if layout == "zigzag":
+        ring_shard = zigzag_positions(seq_len, ring_rank, ring_size, device=device) if ring_size > 1 else torch.arange(seq_len, device=device)
+    else:
+        per_ring = seq_len // ring_size
+        ring_shard = torch.arange(ring_rank * per_ring, (ring_rank + 1) * per_ring, device=device)
+    if ring_shard.numel() % ulysses_size:
+        raise ValueError(
+            f"a ring shard of {ring_shard.numel()} tokens does not split over --ulysses-size {ulysses_size}; "
+            f"use a sequence length that is a multiple of {2 * ring_size * ulysses_size}"
+        )
+    return ring_shard.chunk(ulysses_size)[ulysses_rank].clone()
+
+
+def context_parallel_unshard(x: torch.Tensor, dim: int, positions: torch.Tensor, group=None) -> torch.Tensor:
+    """Gather every CP rank's shard (and its positions) and put the full sequence back in order."""
+    size = dist.get_world_size(group)
+    shards = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    all_positions = [torch.empty_like(positions) for _ in range(size)]
+    dist.all_gather(all_positions, positions.contiguous(), group=group)
+    shape = list(x.shape)
+    shape[dim] = sum(p.numel() for p in all_positions)
+    full = x.new_empty(shape)
+    full.index_copy_(dim, torch.cat(all_positions), torch.cat(shards, dim=dim))
+    return full

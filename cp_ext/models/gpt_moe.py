@@ -9,6 +9,7 @@ The spec is megatron's local (non-TE) GPT layer spec with three seats re-filled:
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
       mlp                -> megatron MoELayer (TopKRouter + SequentialMLP experts)
     final_layernorm      -> cp_ext SequenceParallelNorm
+    rotary_pos_emb       -> cp_ext ContextParallelRotaryEmbedding (RoPE at global positions)
 
 Weights are initialized *layout-invariantly*: each parameter's full (unsharded)
 tensor is drawn from a generator seeded by (seed, the parameter's global checkpoint
@@ -30,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cp_ext.models.layout import iter_global_slices
+from cp_ext.models.rope import ContextParallelRotaryEmbedding
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -67,6 +69,11 @@ def build_model(config: TransformerConfig, args, pre_process=None, post_process=
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
+    )
+    # The same RoPE table, sliced at the global positions this CP rank holds.
+    model.rotary_pos_emb = ContextParallelRotaryEmbedding(
+        kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=args.rotary_base,
+        rotary_interleaved=config.rotary_interleaved, layout=config.cp_layout,
     )
     init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)
     return model

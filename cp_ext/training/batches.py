@@ -42,19 +42,28 @@ def _epoch_permutation(num_samples: int, seed: int) -> np.ndarray:
     return _PERMUTATIONS[key]
 
 
-def microbatches(dataset, iteration, *, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, device):
-    """The microbatches this DP rank runs in `iteration`, in schedule order."""
+def microbatches(dataset, iteration, *, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, device,
+                 positions=None):
+    """The microbatches this DP rank runs in `iteration`, in schedule order.
+
+    `positions` (global token positions, from the CP layout) selects this CP rank's shard
+    of every sample; the whole sample when None.
+    """
     ids = global_batch_sample_ids(iteration, global_batch_size, len(dataset), seed)
     num_micro = global_batch_size // (micro_batch_size * dp_size)
     for m in range(num_micro):
         start = (m * dp_size + dp_rank) * micro_batch_size
         samples = np.stack([dataset[int(i)] for i in ids[start : start + micro_batch_size]])
         text = torch.from_numpy(samples)
-        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+        tokens, labels = text[:, :-1], text[:, 1:]
         seq = tokens.shape[1]
+        if positions is None:
+            positions = torch.arange(seq)
+        positions = positions.cpu()
+        tokens, labels = tokens[:, positions], labels[:, positions]
         yield Microbatch(
             tokens=tokens.to(device),
             labels=labels.to(device),
             loss_mask=torch.ones(tokens.shape, dtype=torch.float32, device=device),
-            position_ids=torch.arange(seq, device=device).expand_as(tokens).contiguous(),
+            position_ids=positions.expand_as(tokens).contiguous().to(device),
         )

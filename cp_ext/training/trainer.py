@@ -2,7 +2,8 @@
 
     Trainer(args)            platform + process groups + model + optimizer + data
       .train_step(it)        one global batch: forward/backward over all microbatches
-                             (1F1B when PP > 1), finalize grads, clip, step, LR step
+                             (1F1B when PP > 1), finalize grads, clip, step, LR step;
+                             each CP rank trains on its shard of every sample
       .train()               the loop, logging Megatron-style iteration lines
 
 Nothing here branches on the device: `cp_ext.platform` makes CPU look like what
@@ -30,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import (
     reduce_aux_losses_tracker_across_ranks,
 )
 
+from cp_ext import parallel_state as cp_state
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.embedded import EmbeddedTextDataset
 from cp_ext.models.gpt_moe import build_model
@@ -52,6 +54,7 @@ def initialize_distributed(args, device):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
+    cp_state.initialize_context_parallel(args.ulysses_size)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -126,6 +129,8 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
+        # The tokens of every sample this CP rank holds (all of them when CP = 1).
+        self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
         self.iteration = 0
         self.consumed_samples = 0
 
@@ -138,7 +143,7 @@ class Trainer:
         data = microbatches(
             self.dataset, self.iteration, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            seed=args.data_seed, device=self.device,
+            seed=args.data_seed, device=self.device, positions=self.cp_positions,
         )
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -191,7 +196,8 @@ class Trainer:
         log = IterationLog(args, tokens_per_iteration=args.global_batch_size * args.seq_length)
         print_rank_0(
             f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
-            f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {self.dp_size} "
+            f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
+            f"(Ulysses {args.ulysses_size} x ring {args.context_parallel_size // args.ulysses_size}) x DP {self.dp_size} "
             f"(EP {args.expert_model_parallel_size}), {self.num_microbatches} microbatches/iteration, "
             f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
         )
@@ -212,5 +218,6 @@ class Trainer:
     def shutdown(self):
         """Leave the process groups cleanly so torchrun sees every rank exit 0."""
         dist.barrier()
+        cp_state.destroy_context_parallel()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -6,9 +6,11 @@ packed_seq_params)`` on ``[s, b, heads, head_dim]``, output ``[s, b, heads * hea
 so it slots into a layer spec unchanged. GQA is handled by the kernel
 (``enable_gqa``), never by materializing repeated KV heads.
 
-With context parallelism this module is where attention stops being local: the
-sequence shards are exchanged by the ring / Ulysses / hybrid algorithms in
-`cp_ext.attention`.
+With context parallelism (``config.context_parallel_size`` > 1) this module is where
+attention stops being local: q, k, v hold this rank's tokens (see
+`cp_ext.parallel_state.get_context_parallel_positions`), and the ring / Ulysses / hybrid
+algorithm of `cp_ext.attention` picked by the CP sub-group sizes exchanges them, so the
+result equals attention over the whole sequence.
 """
 
 from typing import Optional
@@ -16,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -42,6 +44,7 @@ class CoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        self.cp_layout = getattr(config, "cp_layout", "zigzag")
 
     def forward(
         self,
@@ -60,6 +63,15 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
+        if parallel_state.get_context_parallel_world_size() > 1:
+            from cp_ext.attention.hybrid import context_parallel_attention
+
+            if self.dropout_p and self.training:
+                raise NotImplementedError("attention dropout is not supported with context parallelism")
+            out = context_parallel_attention(
+                query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout
+            )
+            return out.reshape(seq, batch, heads * head_dim)
         # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
