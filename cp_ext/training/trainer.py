@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
-from cp_ext.data.embedded import EmbeddedTextDataset
+from cp_ext.data.datasets import build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, setup_platform
 from cp_ext.training.batches import microbatches
@@ -80,7 +80,7 @@ class Trainer:
         self.args = args
         self.device = setup_platform(None if args.device == "auto" else args.device)
         initialize_distributed(args, self.device)
-        self.dataset = EmbeddedTextDataset(args.seq_length)
+        self.dataset = build_train_dataset(args)
         vocab = args.vocab_size or self.dataset.vocab_size
         args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 

@@ -32,6 +32,33 @@ def test_shards_partition_the_sequence_along_any_dim(size):
     assert torch.equal(torch.cat(shards, 1), x[:, pos])
 
 
+def test_ulysses_times_ring_layout_by_hand():
+    from cp_ext.data.sharding import context_parallel_positions as positions
+
+    # C = 4 = U2 x R2, zigzag, 16 tokens: ring shards (0,3) and (1,2) of 4 chunks, split in 2
+    got = [positions(16, ring_rank=r, ring_size=2, ulysses_rank=u, ulysses_size=2).tolist() for r in range(2) for u in range(2)]
+    assert got == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]]
+    # pure Ulysses (R = 1) is contiguous blocks; pure ring (U = 1) is zigzag
+    assert positions(8, ring_rank=0, ring_size=1, ulysses_rank=3, ulysses_size=4).tolist() == [6, 7]
+    assert positions(8, ring_rank=1, ring_size=2).tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("u,r", [(1, 1), (1, 4), (2, 2), (4, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ulysses_times_ring_positions_partition_the_sequence(u, r, layout):
+    from cp_ext.data.sharding import context_parallel_positions as positions
+
+    s = 2 * u * r * 3
+    held = [positions(s, ring_rank=i, ring_size=r, ulysses_rank=j, ulysses_size=u, layout=layout)
+            for i in range(r) for j in range(u)]
+    assert sorted(torch.cat(held).tolist()) == list(range(s))
+    assert all(p.numel() == s // (u * r) for p in held)
+    for i in range(r):  # a Ulysses group's pieces, in Ulysses-rank order, are its ring shard
+        ring_shard = torch.cat(held[i * u:(i + 1) * u])
+        expect = zigzag_positions(s, i, r) if layout == "zigzag" and r > 1 else torch.arange(i * s // r, (i + 1) * s // r)
+        assert torch.equal(ring_shard, expect)
+
+
 @pytest.mark.parametrize("layout,s,size,needle", [("zigzag", 30, 4, "2 x C = 2 x 4 = 8"), ("contiguous", 30, 4, "C = 4")])
 def test_indivisible_sequence_is_a_clear_error(layout, s, size, needle):
     with pytest.raises(ValueError) as e:

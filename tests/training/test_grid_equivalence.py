@@ -1,4 +1,4 @@
-"""Same seed + same data => same model on every TP x PP x DP x EP grid (fp32, 3 iterations).
+"""Same seed + same data => same model on every TP x PP x CP x DP x EP grid (fp32, 3 iterations).
 
 Each layout trains 3 iterations of one small MoE GPT. Compared against the
 single-process run (TP1 PP1 DP1):
@@ -7,9 +7,13 @@ single-process run (TP1 PP1 DP1):
   * the full gradient of every parameter after iteration 1, reassembled from the
     ranks' slices through megatron's sharded_state_dict map.
 The TP2+SP layout also checks the sequence-parallel norms: their gradients are only
-right if megatron's finalize_model_grads sums them over TP.
+right if megatron's finalize_model_grads sums them over TP. The CP layouts cover the
+ring, Ulysses and the hybrid through the real model (RoPE at global positions, sharded
+tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
+is masked out.
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -33,7 +37,25 @@ LAYOUTS = {
     "dp4_ep2": (4, ["--expert-model-parallel-size", "2"]),
     "tp2pp2dp2_ep2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                           "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    # context parallelism
+    "cp2_ring": (2, ["--context-parallel-size", "2"]),
+    "cp2_ring_contiguous": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--cp-load-balance", "none"]),
+    "cp2_ulysses": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
+    "cp4_ulysses2_ring2": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                               "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                          "--expert-model-parallel-size", "2"]),
 }
+
+# Loss mask zero on the second half of every sample: with contiguous CP2, rank 1 holds
+# no token that counts, and must neither produce NaN nor skew the average.
+MASK_SECOND_HALF = "--test-mask-second-half"
+MASKED = {
+    "cp1_masked": (1, [MASK_SECOND_HALF]),
+    "cp2_contiguous_masked": (2, [MASK_SECOND_HALF, "--context-parallel-size", "2", "--cp-load-balance", "none"]),
+}
+LAYOUTS.update(MASKED)
 
 
 def _run(name):
@@ -53,10 +75,25 @@ def reference():
     return _run("tp1pp1dp1")
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "tp1pp1dp1"])
+@pytest.fixture(scope="module")
+def masked_reference():
+    return _run("cp1_masked")
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "tp1pp1dp1" and k not in MASKED])
 def test_layout_matches_single_process(layout, reference):
-    ref, ref_grads = reference
-    run, grads = _run(layout)
+    _assert_same(_run(layout), reference)
+
+
+def test_fully_masked_cp_shard(masked_reference):
+    result = _run("cp2_contiguous_masked")
+    run = result[0]
+    assert all(math.isfinite(x) for x in run["lm loss"] + run["grad norm"])
+    _assert_same(result, masked_reference)
+
+
+def _assert_same(result, reference):
+    (run, grads), (ref, ref_grads) = result, reference
     for key in ("lm loss", "load balancing loss", "grad norm"):
         for it, (a, b) in enumerate(zip(run[key], ref[key])):
             assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {key} {a} vs single-process {b}"
@@ -92,7 +129,20 @@ def worker():
     from cp_ext.training.trainer import Trainer
 
     opts = worker_args(sys.argv[1:])
-    trainer = Trainer(parse_args(opts.extra))
+    mask_second_half = MASK_SECOND_HALF in opts.extra
+    trainer = Trainer(parse_args([a for a in opts.extra if a != MASK_SECOND_HALF]))
+    if mask_second_half:
+        import cp_ext.training.trainer as trainer_module
+
+        real_microbatches = trainer_module.microbatches
+        seq = trainer.args.seq_length
+
+        def masked(*args, **kwargs):
+            for mb in real_microbatches(*args, **kwargs):
+                mb.loss_mask[mb.position_ids >= seq // 2] = 0.0
+                yield mb
+
+        trainer_module.microbatches = masked
     history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
     for _ in range(3):
         metrics = trainer.train_step()
