@@ -92,7 +92,26 @@ def _add_training_args(parser):
     g.add_argument("--data-seed", type=int, default=None, help="defaults to --seed")
 
 
-ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args)
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-dir", default=None,
+                   help="run directory for metrics.jsonl and config.yaml (default runs/<exp name or time>)")
+    g.add_argument("--wandb-project", default=None, help="log to wandb (WANDB_MODE=offline/disabled respected)")
+    g.add_argument("--wandb-exp-name", default=None, help="wandb run name; also names the default --log-dir")
+    g.add_argument("--wandb-save-dir", default=None, help="wandb's directory (default: the run directory)")
+    g.add_argument("--wandb-entity", default=None)
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop after the iteration that is a multiple of this (saving first if --save)")
+
+
+ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_logging_args, _add_checkpoint_args)
 
 
 def build_parser():
@@ -270,6 +289,11 @@ def validate_args(args):
         p.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.log_interval < 1:
         p.append("--log-interval must be >= 1")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        p.append(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
+    if (args.save or args.load) and args.use_distributed_optimizer:
+        p.append("--save/--load do not support --use-distributed-optimizer yet (its optimizer state is sharded "
+                 "over DP); drop --use-distributed-optimizer to checkpoint")
     return p
 
 

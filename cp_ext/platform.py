@@ -186,3 +186,12 @@ def platform_is_cpu():
 def distributed_backend(device):
     """NCCL for CUDA devices, gloo for CPU."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def memory_bytes():
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    if torch.cuda.is_available() and not platform_is_cpu():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

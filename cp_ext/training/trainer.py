@@ -37,7 +37,9 @@ from cp_ext.data.datasets import build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, setup_platform
 from cp_ext.training.batches import microbatches
+from cp_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from cp_ext.training.logging import IterationLog, print_rank_0
+from cp_ext.training.metrics import MetricsLogger, default_log_dir
 
 
 def initialize_distributed(args, device):
@@ -133,6 +135,8 @@ class Trainer:
         self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
         self.iteration = 0
         self.consumed_samples = 0
+        if args.load:
+            load_checkpoint(self, args.load)
 
     def train_step(self):
         """One optimizer step on global batch `self.iteration`; returns its metrics."""
@@ -193,7 +197,10 @@ class Trainer:
 
     def train(self):
         args = self.args
-        log = IterationLog(args, tokens_per_iteration=args.global_batch_size * args.seq_length)
+        tokens_per_iteration = args.global_batch_size * args.seq_length
+        log = IterationLog(args, tokens_per_iteration=tokens_per_iteration)
+        args.log_dir = args.log_dir or default_log_dir(args)
+        self.metrics = MetricsLogger(args, start_iteration=self.iteration)
         print_rank_0(
             f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
             f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
@@ -208,10 +215,20 @@ class Trainer:
             elapsed = time.perf_counter() - start
             history.append(metrics)
             log.record(self.iteration, self.consumed_samples, elapsed, metrics)
+            self.metrics.log(self.iteration, metrics, tokens_per_iteration / elapsed, elapsed)
+            exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
+            if args.save and (self.iteration == args.train_iters or exiting
+                              or (args.save_interval and self.iteration % args.save_interval == 0)):
+                save_checkpoint(self, args.save)
+            if exiting:
+                print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+                break
+        self.metrics.close()
         if history:
+            first = self.iteration - len(history) + 1
             print_rank_0(
-                f"training done: lm loss {history[0]['lm loss']:.4f} (iteration 1) -> "
-                f"{history[-1]['lm loss']:.4f} (iteration {self.iteration})"
+                f"training done: lm loss {history[0]['lm loss']:.4f} (iteration {first}) -> "
+                f"{history[-1]['lm loss']:.4f} (iteration {self.iteration}); metrics in {args.log_dir}/metrics.jsonl"
             )
         return history
 

@@ -1,0 +1,99 @@
+"""Where a run's numbers go: `metrics.jsonl` in its run directory, and wandb when asked.
+
+One JSON object per iteration (``{"iteration": 3, "train/lm_loss": ..., ...}``), written
+by rank 0, which holds every reduced metric (the trainer all-reduces the last pipeline
+stage's loss to all ranks). wandb gets the same keys with ``step=iteration``.
+
+wandb is best-effort by design: ``WANDB_MODE=offline|disabled`` are wandb's own switches;
+``WANDB_DISABLED=true`` (the Hugging Face convention, which wandb itself ignores) is
+honoured here; and a failing ``wandb.init`` (no API key, no network) prints one warning
+and training goes on with metrics.jsonl alone.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from cp_ext.platform import memory_bytes
+from cp_ext.training.logging import is_rank_0, print_rank_0
+
+METRIC_KEYS = {
+    "lm loss": "train/lm_loss",
+    "load balancing loss": "train/load_balancing_loss",
+    "grad norm": "train/grad_norm",
+    "learning rate": "train/learning_rate",
+}
+
+
+def default_log_dir(args):
+    name = args.wandb_exp_name or time.strftime("run-%Y%m%d-%H%M%S")
+    return str(Path("runs") / name)
+
+
+class MetricsLogger:
+    def __init__(self, args, start_iteration=0):
+        self.enabled = is_rank_0()
+        self.wandb_run = None
+        if not self.enabled:
+            return
+        self.dir = Path(args.log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool, list, type(None)))}
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=True))
+        self.path = self.dir / "metrics.jsonl"
+        self._truncate_after(start_iteration)
+        self.file = open(self.path, "a")
+        if args.wandb_project:
+            self.wandb_run = _init_wandb(args, config, self.dir)
+
+    def _truncate_after(self, iteration):
+        """On resume, drop lines a crashed run wrote past its last checkpoint (no duplicates)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, iteration, metrics, tokens_per_second, iteration_time_s):
+        if not self.enabled:
+            return
+        record = {"iteration": iteration}
+        for name, key in METRIC_KEYS.items():
+            if metrics.get(name) is not None:
+                record[key] = float(metrics[name])
+        record["train/tokens_per_second"] = tokens_per_second
+        record["train/iteration_time_ms"] = iteration_time_s * 1000.0
+        record["train/memory_bytes"] = memory_bytes()
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "iteration"}, step=iteration)
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _init_wandb(args, config, run_dir):
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        print_rank_0("wandb: WANDB_DISABLED is set; logging to metrics.jsonl only")
+        return None
+    try:
+        import wandb
+
+        save_dir = Path(args.wandb_save_dir or run_dir)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        return wandb.init(
+            project=args.wandb_project, entity=args.wandb_entity, name=args.wandb_exp_name,
+            dir=str(save_dir), config=config,
+        )
+    except Exception as e:  # no API key, no network, wandb missing: training goes on
+        print_rank_0(f"wandb: disabled for this run ({type(e).__name__}: {e}); metrics still go to {run_dir}/metrics.jsonl")
+        return None

@@ -1,0 +1,121 @@
+"""Checkpoints: kill -9 and resume reproduces the uninterrupted run; a kill inside a
+save leaves the last good checkpoint; a checkpoint loads at another CP size.
+
+Real runs of pretrain_moe.py under torchrun (2 gloo ranks, EP2), real files.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO_ROOT
+
+FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
+         "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1"]
+
+
+def _torchrun(nproc, *args, script=None, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script or REPO_ROOT / "pretrain_moe.py"), *FLAGS, *map(str, args)]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **(env or {}))
+    return cmd, run_env
+
+
+def _train(nproc, *args, **kw):
+    cmd, env = _torchrun(nproc, *args, **kw)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def _losses(log_dir):
+    lines = Path(log_dir, "metrics.jsonl").read_text().splitlines()
+    return {r["iteration"]: r["train/lm_loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("uninterrupted")
+    _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir)
+    losses = _losses(log_dir)
+    assert sorted(losses) == list(range(1, 9))
+    return losses
+
+
+def test_kill_9_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+    save, log_dir = tmp_path / "ckpt", tmp_path / "run"
+    cmd, env = _torchrun(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save, "--save-interval", "2")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    tracker = save / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if tracker.exists() and int(tracker.read_text()) >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank, mid-run
+    proc.wait()
+    killed_at = max(_losses(log_dir))
+    resumed_from = int(tracker.read_text())
+    assert 4 <= resumed_from < 8, f"the kill landed after the run finished ({resumed_from}); make the run longer"
+
+    _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--load", save)
+    losses = _losses(log_dir)
+    assert sorted(losses) == list(range(1, 9)), "metrics.jsonl must hold each iteration once after resume"
+    assert losses == uninterrupted, f"killed at {killed_at}, resumed from {resumed_from}: {losses} vs {uninterrupted}"
+
+
+def test_kill_inside_a_save_keeps_the_last_good_checkpoint(uninterrupted, tmp_path):
+    save, log_dir = tmp_path / "ckpt", tmp_path / "run"
+    cmd, env = _torchrun(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save,
+                         "--save-interval", "2", script=__file__, env={"KILL_AT_SAVE": "2"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode != 0, "the worker should have died inside its second save"
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (save / "iter_0000004.tmp").exists() and not (save / "iter_0000004").exists()
+
+    _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--load", save)
+    assert _losses(log_dir) == uninterrupted
+
+
+def test_checkpoint_loads_at_another_cp_size(uninterrupted, tmp_path):
+    save, log_dir = tmp_path / "ckpt", tmp_path / "run"
+    _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save, "--exit-interval", "4")
+    _train(2, "--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--log-dir", log_dir, "--load", save)
+    losses = _losses(log_dir)
+    for it in range(1, 9):
+        assert abs(losses[it] - uninterrupted[it]) <= 1e-5 * abs(uninterrupted[it]), (it, losses[it], uninterrupted[it])
+
+
+def _die_inside_second_save():
+    """Worker: pretrain_moe.py, except that rank 0 is SIGKILLed between the shard files of a save."""
+    import torch
+
+    import cp_ext.training.checkpointing as checkpointing
+
+    real_save, calls = torch.save, {"saves": 0}
+    kill_at = int(os.environ["KILL_AT_SAVE"])
+
+    def save_then_die(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        if "model_optim_rng" in str(path):
+            calls["saves"] += 1
+            if calls["saves"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpointing.torch.save = save_then_die
+    sys.argv = [str(REPO_ROOT / "pretrain_moe.py"), *sys.argv[1:]]
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    _die_inside_second_save()
