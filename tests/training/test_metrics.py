@@ -1,0 +1,64 @@
+"""Run metrics: metrics.jsonl always, wandb when asked, never a crash because of wandb.
+
+Real pretrain_moe.py runs and real wandb (offline / disabled / online without a key).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO_ROOT
+
+FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "2", "--seed", "3"]
+KEYS = {"iteration", "train/lm_loss", "train/load_balancing_loss", "train/grad_norm", "train/learning_rate",
+        "train/tokens_per_second", "train/iteration_time_ms", "train/memory_bytes"}
+
+
+def _train(log_dir, *args, nproc=1, wandb_mode=None, extra_env=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", **(extra_env or {}))
+    if wandb_mode:
+        env["WANDB_MODE"] = wandb_mode
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--log-dir", str(log_dir), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    records = [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
+    return proc, records
+
+
+def test_offline_wandb_and_metrics_jsonl(tmp_path):
+    _, records = _train(tmp_path, "--wandb-project", "cp-ext-test", "--wandb-exp-name", "offline", wandb_mode="offline")
+    assert [r["iteration"] for r in records] == [1, 2] and all(set(r) == KEYS for r in records)
+    assert all(r["train/memory_bytes"] > 0 for r in records)
+    logs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 1 and logs[0].stat().st_size > 0
+    assert (tmp_path / "config.yaml").exists() and "num_experts: 4" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("mode,env", [("disabled", {}), (None, {"WANDB_DISABLED": "true"})], ids=["WANDB_MODE", "WANDB_DISABLED"])
+def test_wandb_switched_off(tmp_path, mode, env):
+    _, records = _train(tmp_path, "--wandb-project", "cp-ext-test", wandb_mode=mode, extra_env=env)
+    assert len(records) == 2 and not list(tmp_path.glob("wandb/*run-*"))
+
+
+def test_missing_api_key_never_crashes_training(tmp_path):
+    home = tmp_path / "home"  # no ~/.netrc, no key
+    home.mkdir()
+    proc, records = _train(tmp_path / "run", "--wandb-project", "cp-ext-test", wandb_mode="online",
+                           extra_env={"HOME": str(home)})
+    assert len(records) == 2
+    assert "wandb: disabled for this run" in proc.stdout + proc.stderr
+
+
+def test_last_pipeline_stage_loss_reaches_the_logging_rank(tmp_path):
+    _, single = _train(tmp_path / "pp1")
+    _, piped = _train(tmp_path / "pp2", "--pipeline-model-parallel-size", "2", nproc=2)
+    for a, b in zip(single, piped):
+        assert abs(a["train/lm_loss"] - b["train/lm_loss"]) <= 1e-5 * a["train/lm_loss"]
+        assert abs(a["train/load_balancing_loss"] - b["train/load_balancing_loss"]) <= 1e-5 * a["train/load_balancing_loss"]
