@@ -32,13 +32,33 @@ def _error(argv, world_size):
         (MOE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, ["--num-experts 6", "--expert-model-parallel-size 4"]),
         (MOE + ["--tensor-model-parallel-size", "2"], 2, ["--sequence-parallel"]),
         (["--context-parallel-size", "2", "--seq-length", "30"], 2, ["--seq-length 30", "--context-parallel-size"]),
+        (["--context-parallel-size", "4", "--ulysses-size", "3"], 4, ["--ulysses-size 3", "--context-parallel-size 4"]),
+        (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, ["--hierarchical-context-parallel-sizes"]),
+        (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--ulysses-size", "2"], 2, ["contradicts --cp-comm-type p2p"]),
+        (["--context-parallel-size", "4", "--ulysses-size", "4", "--num-attention-heads", "6", "--hidden-size", "48",
+          "--seq-length", "32"], 4, ["--ulysses-size 4", "6 query heads"]),
+        (MOE + ["--moe-token-dispatcher-type", "alltoall", "--device", "cpu"], 1, ["--moe-token-dispatcher-type allgather"]),
+        (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--attention-dropout 0"]),
+        (["--save-interval", "5"], 1, ["--save-interval 5 needs --save"]),
     ],
-    ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp", "seq-vs-cp"],
+    ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
+         "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
+         "alltoall-on-cpu", "cp-dropout", "save-interval-without-save"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)
     for text in must_name:
         assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_cp_comm_type_maps_onto_ulysses_size():
+    base = ["--seq-length", "64"]
+    assert parse_args(base + ["--context-parallel-size", "4", "--cp-comm-type", "a2a"], world_size=4).ulysses_size == 4
+    assert parse_args(base + ["--context-parallel-size", "4", "--cp-comm-type", "p2p"], world_size=4).ulysses_size == 1
+    args = parse_args(base + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                              "--hierarchical-context-parallel-sizes", "2", "2"], world_size=4)
+    assert args.ulysses_size == 2
+    assert parse_args(base + ["--context-parallel-size", "4", "--ulysses-size", "2"], world_size=4).ulysses_size == 2
 
 
 def test_all_problems_reported_together():
