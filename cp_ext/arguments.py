@@ -231,6 +231,14 @@ def _context_parallel_problems(args):
     return p
 
 
+def _runs_on_cpu(args):
+    if args.device != "auto":
+        return args.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = []
@@ -277,6 +285,9 @@ def validate_args(args):
             p.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
         if args.moe_router_topk > args.num_experts:
             p.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+        if args.moe_token_dispatcher_type == "alltoall" and _runs_on_cpu(args):
+            p.append("--moe-token-dispatcher-type alltoall needs CUDA (megatron's dispatcher uses CUDA streams); "
+                     "use --moe-token-dispatcher-type allgather on CPU")
         if tp > 1 and not args.sequence_parallel:
             p.append(f"MoE with --tensor-model-parallel-size {tp} requires --sequence-parallel "
                      f"(megatron-core's MoE layer needs it); add --sequence-parallel")
