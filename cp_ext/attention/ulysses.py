@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.kernels import get_kernel
+from cp_ext.perf.counter import COMM_COUNTER
 
 
 def _all_to_all_forward(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -39,6 +40,8 @@ def _all_to_all_forward(x: torch.Tensor, group, scatter_dim: int, gather_dim: in
     # [.., size * n, ..] -> [size, .., n, ..]: chunk i is what rank i receives (one contiguous copy).
     send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
+    if COMM_COUNTER.enabled:  # opt-in byte count: what leaves this rank, (U-1)/U of the buffer
+        COMM_COUNTER.add("ulysses_a2a", send.nbytes * (size - 1) // size)
     dist.all_to_all_single(recv, send, group=group)
     # recv[i] came from rank i: concatenate along gather_dim in rank order.
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)

@@ -10,6 +10,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from cp_ext.perf.counter import COMM_COUNTER
+
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged / accumulated in: fp32, or fp64 for fp64 inputs."""
@@ -44,6 +46,8 @@ class RingComm:
         """Post: send ``to_send`` to the next rank, receive the previous rank's into a buffer."""
         to_send = to_send.contiguous()
         recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
+        if COMM_COUNTER.enabled:  # opt-in byte count (tools/bench_attention.py)
+            COMM_COUNTER.add("ring_p2p", to_send.nbytes)
         if self._batched:
             ops = [
                 dist.P2POp(dist.isend, to_send, self.send_rank, self.group),

@@ -1,0 +1,46 @@
+"""An opt-in counter of bytes sent per rank, fed by the communication call sites.
+
+`cp_ext.attention.utils.RingComm.send_recv` reports ``"ring_p2p"`` (the bytes of the tensor
+sent to the next rank) and the Ulysses all-to-all reports ``"ulysses_a2a"`` (the bytes that
+leave the rank: (U-1)/U of the send buffer). Off by default: the call sites test one
+attribute and do nothing else.
+
+    with count_comm() as c:
+        out = ring_attention(...)
+    c.bytes["ring_p2p"], c.calls["ring_p2p"]
+"""
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+class CommCounter:
+    def __init__(self):
+        self.enabled = False
+        self.bytes = defaultdict(int)
+        self.calls = defaultdict(int)
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes[name] += int(nbytes)
+        self.calls[name] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict:
+        return {name: {"bytes": self.bytes[name], "calls": self.calls[name]} for name in sorted(self.bytes)}
+
+
+COMM_COUNTER = CommCounter()
+
+
+@contextmanager
+def count_comm():
+    """Count (from zero) the bytes every call site sends while the block runs."""
+    COMM_COUNTER.reset()
+    COMM_COUNTER.enabled = True
+    try:
+        yield COMM_COUNTER
+    finally:
+        COMM_COUNTER.enabled = False
