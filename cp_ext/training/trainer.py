@@ -10,7 +10,6 @@ Nothing here branches on the device: `cp_ext.platform` makes CPU look like what
 megatron-core expects, so the GPU path is this same code with NCCL.
 """
 
-import os
 import time
 from datetime import timedelta
 from functools import partial
@@ -20,8 +19,6 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
@@ -40,6 +37,7 @@ from cp_ext.training.batches import microbatches
 from cp_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
+from cp_ext.training.optimizer import build_optimizer
 
 
 def initialize_distributed(args, device):
@@ -96,35 +94,7 @@ class Trainer:
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         self.model = [DistributedDataParallel(self.config, ddp_config, model)]
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=args.lr,
-                min_lr=args.min_lr,
-                weight_decay=args.weight_decay,
-                adam_beta1=args.adam_beta1,
-                adam_beta2=args.adam_beta2,
-                adam_eps=args.adam_eps,
-                clip_grad=args.clip_grad,
-                bf16=args.bf16,
-                params_dtype=self.config.params_dtype,
-                use_distributed_optimizer=args.use_distributed_optimizer,
-            ),
-            self.model,
-        )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if args.lr_warmup_iters else args.lr,
-            max_lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters,
-            lr_decay_style=args.lr_decay_style,
-            start_wd=args.weight_decay,
-            end_wd=args.weight_decay,
-            wd_incr_steps=args.train_iters,
-            wd_incr_style="constant",
-        )
+        self.optimizer, self.scheduler = build_optimizer(args, self.config, self.model)
         self.config.no_sync_func = self.model[0].no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.finalize_model_grads_func = finalize_model_grads
