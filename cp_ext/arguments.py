@@ -111,7 +111,23 @@ def _add_checkpoint_args(parser):
                    help="stop after the iteration that is a multiple of this (saving first if --save)")
 
 
-ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_logging_args, _add_checkpoint_args)
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="Megatron indexed dataset prefixes, optionally weighted: [W1] P1 [W2 P2 ...] "
+                        "(default: the embedded stdlib corpus)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights (only train is used)")
+    g.add_argument("--tokenizer-type", choices=["ByteTokenizer", "HuggingFaceTokenizer"], default="ByteTokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset indices (and the embedded corpus) are cached (default ~/.cache/cp_ext "
+                        "for the embedded corpus, next to the data otherwise)")
+    g.add_argument("--synthetic-task", choices=["passkey"], default=None,
+                   help="train on a synthetic task instead: passkey = recall a key seen early (long range)")
+
+
+ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_logging_args, _add_checkpoint_args,
+              _add_data_args)
 
 
 def build_parser():
@@ -239,6 +255,24 @@ def _runs_on_cpu(args):
     return not torch.cuda.is_available()
 
 
+def _data_problems(args):
+    """Data flags; the files they name are opened (cheaply) only when given."""
+    if getattr(args, "split", None) is None:  # an args namespace built without the data group
+        return []
+    if args.synthetic_task and args.data_path:
+        return [f"--synthetic-task {args.synthetic_task} and --data-path are exclusive; give one"]
+    if args.synthetic_task:
+        return []
+    if args.tokenizer_type != "ByteTokenizer" and not args.data_path:
+        return [f"--tokenizer-type {args.tokenizer_type} needs --data-path (the embedded default corpus is "
+                f"byte-tokenized); preprocess your text with tools/preprocess_data.py"]
+    if args.data_path or args.tokenizer_model or args.vocab_size is not None:
+        from cp_ext.data.datasets import data_file_problems
+
+        return data_file_problems(args)
+    return []
+
+
 def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = []
@@ -294,6 +328,7 @@ def validate_args(args):
     elif ep > 1:
         p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
     p.extend(_context_parallel_problems(args))
+    p.extend(_data_problems(args))
     if args.lr_warmup_iters > args.train_iters:
         p.append(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
     if args.min_lr > args.lr:

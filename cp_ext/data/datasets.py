@@ -1,12 +1,123 @@
-"""Which dataset a run trains on, from its arguments.
+"""Which dataset a run trains on, from its arguments, and the checks of the files it names.
 
-Today: the embedded default (`cp_ext.data.embedded`). A dataset here is a sequence of
-samples: ``len(ds)``, ``ds[i]`` -> int64 array of ``seq_length + 1`` token ids, and
-``ds.vocab_size``.
+    --data-path [W1] P1 [W2 P2 ...]   Megatron indexed datasets (blend weights as Megatron
+                                      spells them), through megatron.core's
+                                      BlendedMegatronDatasetBuilder + GPTDataset, --split,
+                                      seeded by --data-seed, index cached in --data-cache-path
+    --synthetic-task passkey          `cp_ext.data.passkey` (a long-range recall task)
+    (neither)                         the embedded default: stdlib text (`cp_ext.data.embedded`)
+                                      as an indexed dataset, through the same GPTDataset path
+
+A dataset here is ``len(ds)``, ``ds[i]`` -> {tokens, labels, loss_mask, position_ids}
+(GPTDataset's dict, each [seq_length]) and ``ds.vocab_size``. Which sample a rank reads,
+and which tokens of it, is `cp_ext.training.batches`' job.
 """
 
-from cp_ext.data.embedded import EmbeddedTextDataset
+from cp_ext.data.indexed import indexed_dataset_problems
+from cp_ext.data.tokenizers import build_tokenizer
 
 
-def build_train_dataset(args):
-    return EmbeddedTextDataset(args.seq_length)
+class TrainDataset:
+    """The train split plus the vocab size the model needs; `samples` is None on ranks that read no data."""
+
+    def __init__(self, samples, vocab_size: int, num_samples: int, seq_length: int):
+        self.samples, self.vocab_size, self._len, self.seq_length = samples, vocab_size, num_samples, seq_length
+
+    def __len__(self):
+        return self._len
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]
+
+
+def parse_blend(data_path):
+    """Megatron's --data-path spelling -> ([prefix...], [weight...] or None); ValueError if malformed."""
+    if len(data_path) % 2 == 1 or not _is_number(data_path[0]):
+        if any(_is_number(p) for p in data_path):
+            raise ValueError(f"--data-path {' '.join(data_path)}: give either prefixes only, or weight-prefix pairs "
+                             f"(e.g. --data-path 0.7 a_text_document 0.3 b_text_document)")
+        return list(data_path), None
+    weights, prefixes = data_path[0::2], data_path[1::2]
+    if not all(_is_number(w) for w in weights) or any(_is_number(p) for p in prefixes):
+        raise ValueError(f"--data-path {' '.join(data_path)}: weights and prefixes must alternate (W1 P1 W2 P2 ...)")
+    if any(float(w) < 0 for w in weights) or not sum(map(float, weights)) > 0:
+        raise ValueError(f"--data-path {' '.join(data_path)}: blend weights must be >= 0 and not all zero")
+    return list(prefixes), [float(w) for w in weights]
+
+
+def _is_number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def data_file_problems(args) -> list:
+    """Tokenizer and --data-path file problems (missing, corrupt, ids >= vocab), each naming the fix."""
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except ValueError as e:
+        return [str(e)]
+    if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
+        return [f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocab {tokenizer.vocab_size} "
+                f"(--tokenizer-type {args.tokenizer_type}); drop --vocab-size or use >= {tokenizer.vocab_size}"]
+    if not args.data_path:
+        return []
+    try:
+        prefixes, _ = parse_blend(args.data_path)
+    except ValueError as e:
+        return [str(e)]
+    vocab = args.vocab_size or tokenizer.vocab_size
+    return [msg for prefix in prefixes for msg in indexed_dataset_problems(prefix, vocab)]
+
+
+def build_train_dataset(args) -> TrainDataset:
+    """The train split for `args` (collective when torch.distributed is initialized)."""
+    num_samples = args.train_iters * args.global_batch_size
+    if args.synthetic_task == "passkey":
+        from cp_ext.data.passkey import PasskeyDataset
+
+        data = PasskeyDataset(args.seq_length, num_samples, args.data_seed)
+        return TrainDataset(data, data.vocab_size, num_samples, args.seq_length)
+    return _build_gpt_dataset(args, num_samples)
+
+
+def _build_gpt_dataset(args, num_samples):
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from cp_ext.data.embedded import default_cache_dir, embedded_prefix
+
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    cache = args.data_cache_path
+    if args.data_path:
+        blend = parse_blend(args.data_path)
+    else:
+        cache = cache or default_cache_dir()
+        blend = ([embedded_prefix(cache)], None)
+    config = GPTDatasetConfig(
+        random_seed=args.data_seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split,
+        path_to_cache=cache,  # None: Megatron's default, next to the data
+        tokenizer=tokenizer,
+        # Megatron-LM's defaults: one position per token of the sample, loss on every token.
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,  # cp_ext's attention is causal by construction
+    )
+
+    def reads_data():  # Megatron's rule: only the stages that embed tokens or take the loss
+        if not parallel_state.model_parallel_is_initialized():
+            return True
+        return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+
+    # Only the train split is used: its documents are the ones --split assigns it, and the
+    # valid/test splits are not built (an empty split would loop forever in GPTDataset).
+    config.split_matrix = [config.split_matrix[0], None, None]
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], reads_data, config).build()
+    return TrainDataset(train, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length)

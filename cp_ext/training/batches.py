@@ -1,13 +1,21 @@
-"""Which samples each rank trains on, and their tensors.
+"""Which samples each rank trains on, and the part of each sample it keeps.
 
-Sample order is a property of the *global* batch, never of the layout: global batch
-``t`` is the samples ``shuffled[t*G : (t+1)*G]`` of a seeded permutation. Within it,
-Megatron's sampler order applies: microbatch ``m`` of data-parallel rank ``d`` holds
-``mbs`` samples starting at ``(m * DP + d) * mbs``. So any DP/TP/PP layout trains on
-the same samples per iteration, and each DP rank's share is disjoint.
+Sample order is a property of the *global* batch, never of the layout (Megatron's
+pretraining sampler): the global batch that starts after ``consumed_samples`` holds
+dataset samples ``consumed_samples + [0, G)`` (the dataset is already shuffled by its
+seed). Within it, microbatch ``m`` of data-parallel rank ``d`` holds the ``mbs`` samples
+starting at ``(m * DP + d) * mbs``. So every DP/CP/TP/PP layout trains on the same
+samples per iteration, DP ranks' shares are disjoint, and resuming from a checkpoint's
+``consumed_samples`` continues exactly, with no sample repeated or skipped.
+
+Context parallelism: every CP rank of a DP replica reads the same sample and keeps the
+tokens at ``positions`` (`cp_ext.parallel_state.get_context_parallel_positions`, the one
+layout formula RoPE and attention also use) of tokens, labels, loss_mask and the global
+position_ids. Pipeline stages that neither embed tokens nor take the loss read nothing.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -15,55 +23,43 @@ import torch
 
 @dataclass
 class Microbatch:
-    tokens: torch.Tensor  # [b, s] input ids
-    labels: torch.Tensor  # [b, s] next-token targets
-    loss_mask: torch.Tensor  # [b, s] float, 1 where the token counts
-    position_ids: torch.Tensor  # [b, s] global positions
+    tokens: Optional[torch.Tensor]  # [b, s/CP] input ids (None on a stage that reads no data)
+    labels: Optional[torch.Tensor]  # [b, s/CP] next-token targets
+    loss_mask: Optional[torch.Tensor]  # [b, s/CP] float, 1 where the token counts
+    position_ids: torch.Tensor  # [b, s/CP] global positions
+    sample_ids: np.ndarray  # [b] dataset indices of the samples
 
 
-def global_batch_sample_ids(iteration: int, global_batch_size: int, num_samples: int, seed: int) -> np.ndarray:
-    """Dataset indices of global batch `iteration` (0-based), epoch after epoch."""
-    start = iteration * global_batch_size
-    ids = np.empty(global_batch_size, dtype=np.int64)
-    for i, position in enumerate(range(start, start + global_batch_size)):
-        epoch, offset = divmod(position, num_samples)
-        ids[i] = _epoch_permutation(num_samples, seed + epoch)[offset]
-    return ids
+def global_batch_sample_ids(consumed_samples: int, global_batch_size: int, num_samples: int) -> np.ndarray:
+    """Dataset indices of the global batch that follows `consumed_samples` samples (wrapping around)."""
+    return (consumed_samples + np.arange(global_batch_size, dtype=np.int64)) % num_samples
 
 
-_PERMUTATIONS = {}
-
-
-def _epoch_permutation(num_samples: int, seed: int) -> np.ndarray:
-    key = (num_samples, seed)
-    if key not in _PERMUTATIONS:
-        _PERMUTATIONS.clear()
-        _PERMUTATIONS[key] = np.random.default_rng(seed).permutation(num_samples)
-    return _PERMUTATIONS[key]
-
-
-def microbatches(dataset, iteration, *, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, device,
-                 positions=None):
-    """The microbatches this DP rank runs in `iteration`, in schedule order.
+def microbatches(dataset, *, consumed_samples, global_batch_size, micro_batch_size, dp_rank, dp_size, device,
+                 positions=None, first_stage=True, last_stage=True):
+    """The microbatches this rank runs in the global batch after `consumed_samples`, in schedule order.
 
     `positions` (global token positions, from the CP layout) selects this CP rank's shard
-    of every sample; the whole sample when None.
+    of every sample; the whole sample when None. `first_stage` needs tokens, `last_stage`
+    labels and loss_mask; a stage that is neither yields position ids only, reading nothing.
     """
-    ids = global_batch_sample_ids(iteration, global_batch_size, len(dataset), seed)
-    num_micro = global_batch_size // (micro_batch_size * dp_size)
-    for m in range(num_micro):
+    ids = global_batch_sample_ids(consumed_samples, global_batch_size, len(dataset))
+    for m in range(global_batch_size // (micro_batch_size * dp_size)):
         start = (m * dp_size + dp_rank) * micro_batch_size
-        samples = np.stack([dataset[int(i)] for i in ids[start : start + micro_batch_size]])
-        text = torch.from_numpy(samples)
-        tokens, labels = text[:, :-1], text[:, 1:]
-        seq = tokens.shape[1]
-        if positions is None:
-            positions = torch.arange(seq)
-        positions = positions.cpu()
-        tokens, labels = tokens[:, positions], labels[:, positions]
+        mine = ids[start : start + micro_batch_size]
+        if not (first_stage or last_stage):
+            pos = positions if positions is not None else torch.arange(dataset.seq_length)
+            yield Microbatch(None, None, None, pos.expand(len(mine), -1).contiguous().to(device), mine)
+            continue
+        samples = [dataset[int(i)] for i in mine]
+        batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        if positions is not None:
+            batch = {key: value[:, positions.cpu()] for key, value in batch.items()}
+        batch = {key: value.contiguous().to(device) for key, value in batch.items()}
         yield Microbatch(
-            tokens=tokens.to(device),
-            labels=labels.to(device),
-            loss_mask=torch.ones(tokens.shape, dtype=torch.float32, device=device),
-            position_ids=positions.expand_as(tokens).contiguous().to(device),
+            tokens=batch["tokens"] if first_stage else None,
+            labels=batch["labels"] if last_stage else None,
+            loss_mask=batch["loss_mask"].float() if last_stage else None,
+            position_ids=batch["position_ids"],
+            sample_ids=mine,
         )

@@ -115,9 +115,10 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         data = microbatches(
-            self.dataset, self.iteration, global_batch_size=args.global_batch_size,
+            self.dataset, consumed_samples=self.consumed_samples, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            seed=args.data_seed, device=self.device, positions=self.cp_positions,
+            device=self.device, positions=self.cp_positions,
+            first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
         )
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
