@@ -1,6 +1,6 @@
 """Shared pieces of the ring algorithms: the ring P2P exchange and the log-sum-exp merge.
 
-Written once here and used by every variant (ring today, the Ulysses x ring hybrid next).
+Written once here and used by every variant (the ring, and the ring inside the Ulysses x ring hybrid).
 All attention tensors in this package use the *kernel layout* ``[b, h, s, d]``; the
 log-sum-exp (LSE) is ``[b, h, s]`` in fp32 (fp64 for fp64 inputs).
 """
