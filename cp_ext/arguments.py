@@ -225,13 +225,11 @@ def _context_parallel_problems(args):
         return p
     if args.hierarchical_context_parallel_sizes and args.cp_comm_type != "a2a+p2p":
         p.append("--hierarchical-context-parallel-sizes is only read with --cp-comm-type a2a+p2p")
-    heads, groups = args.num_attention_heads // max(tp, 1), args.num_query_groups // max(tp, 1)
+    # KV heads need no rule: Ulysses replicates them as needed (cp_ext.attention.ulysses.kv_replicas).
+    heads = args.num_attention_heads // max(tp, 1)
     if u > 1 and heads % u:
         p.append(f"--num-attention-heads {args.num_attention_heads} / TP {tp} = {heads} query heads per TP rank "
                  f"are not divisible by --ulysses-size {u}; Ulysses shards heads, choose U dividing {heads}")
-    if u > 1 and groups and groups % u and u % groups:
-        p.append(f"--num-query-groups {args.num_query_groups} / TP {tp} = {groups} KV heads per TP rank: "
-                 f"--ulysses-size {u} must divide them or be a multiple of them (then KV heads are replicated)")
     if cp > 1 and args.attention_dropout:
         p.append(f"--attention-dropout {args.attention_dropout} is not supported with --context-parallel-size {cp}; "
                  f"set --attention-dropout 0")
