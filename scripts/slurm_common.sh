@@ -1,0 +1,108 @@
+# Shared body of scripts/slurm_single_node.sbatch and scripts/slurm_multi_node.sbatch.
+# Sourced by them inside the allocation; not meant to be run by itself.
+#
+# What it does, on the batch host (the allocation's first node):
+#   * MASTER_ADDR = first host of $SLURM_JOB_NODELIST (scontrol show hostnames), MASTER_PORT
+#     derived from the job id unless set: the c10d rendezvous endpoint of every node's torchrun;
+#   * one `srun` task per node runs `torchrun --nnodes $SLURM_NNODES --nproc-per-node N
+#     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID
+#     pretrain_moe.py --config $CONFIG <your flags>`;
+#   * the job's exit status is srun's (non-zero if any rank failed).
+#
+# Environment knobs (sbatch exports the submitting shell's environment to the job):
+#   CONFIG            YAML config (or give it as the first argument: sbatch X.sbatch configs/Y.yaml ...)
+#   CP_EXT_ROOT       repository root (default: the directory sbatch was called from)
+#   CP_EXT_CPU=1      CPU mode: gloo, --device cpu, no GPUs requested (submit with --gpus-per-node=0)
+#   NPROC_PER_NODE    ranks per node (default: GPUs on the node; CPU mode: $SLURM_CPUS_PER_TASK)
+#   MASTER_PORT       rendezvous port (default 20000 + job id % 20000)
+#   TORCHRUN          launcher command (default: torchrun, else "python3 -m torch.distributed.run")
+#
+# Communication settings (GPU). Exported only where unset, so a site profile or the
+# submitting shell wins:
+#   CUDA_DEVICE_MAX_CONNECTIONS=1  one hardware queue per device, so megatron's TP/SP
+#                                  communication kernels are scheduled before the GEMMs they
+#                                  overlap with (required for TP comm overlap, cheap otherwise)
+#   NCCL_DEBUG=WARN                INFO prints ring/tree topology and the transports NCCL picked
+#                                  (first thing to look at when multi-node is slow or hangs)
+#   NCCL_SOCKET_IFNAME             interface for NCCL's bootstrap/socket traffic, e.g. ib0,
+#                                  eth0 or "^lo,docker" (exclude); set it when nodes have
+#                                  several NICs and NCCL picks an unroutable one
+#   NCCL_IB_HCA                    InfiniBand/RoCE adapters to use, e.g. mlx5_0,mlx5_1
+#                                  (default: all); NCCL_IB_DISABLE=1 forces TCP sockets
+#   NCCL_IB_GID_INDEX              RoCE only: the GID index carrying RoCEv2 (often 3)
+#   NCCL_IB_TIMEOUT=22             IB verbs timeout exponent; raise on large/busy fabrics
+#   NCCL_NVLS_ENABLE, NCCL_P2P_LEVEL  leave at NCCL's defaults unless debugging
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a rank that sees an NCCL error aborts the job instead
+#                                  of hanging in a collective until the timeout
+#   OMP_NUM_THREADS                CPU threads per rank: cpus-per-task / ranks per node (>= 1)
+# CPU mode (gloo): GLOO_SOCKET_IFNAME plays NCCL_SOCKET_IFNAME's part across nodes.
+
+cp_ext_slurm_launch() {
+    set -euo pipefail
+    if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+        echo "error: run this inside a SLURM allocation (sbatch $0 ...)" >&2
+        return 2
+    fi
+
+    local root="${CP_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
+    if [[ ! -f "$root/pretrain_moe.py" ]]; then
+        echo "error: $root/pretrain_moe.py not found; submit from the repository root or set CP_EXT_ROOT" >&2
+        return 2
+    fi
+    cd "$root"
+
+    local config="${CONFIG:-}"
+    if [[ $# -gt 0 && ( "$1" == *.yaml || "$1" == *.yml ) ]]; then
+        config="$1"
+        shift
+    fi
+    if [[ -z "$config" ]]; then
+        echo "error: no config: set CONFIG=configs/X.yaml or pass it as the first argument" >&2
+        return 2
+    fi
+
+    local cpus_per_task="${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}"
+    local device_flags=()
+    local nproc
+    if [[ "${CP_EXT_CPU:-0}" == 1 ]]; then
+        nproc="${NPROC_PER_NODE:-$cpus_per_task}"
+        device_flags=(--device cpu)
+    else
+        local gpus="${SLURM_GPUS_ON_NODE:-}"
+        if [[ -z "$gpus" ]] && command -v nvidia-smi >/dev/null 2>&1; then
+            gpus="$(nvidia-smi -L | wc -l)"
+        fi
+        nproc="${NPROC_PER_NODE:-${gpus:-1}}"
+        export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+        export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+        export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    fi
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cpus_per_task / nproc > 0 ? cpus_per_task / nproc : 1 ))}"
+
+    MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
+    MASTER_PORT="${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}"
+    export MASTER_ADDR MASTER_PORT
+
+    local -a torchrun
+    if [[ -n "${TORCHRUN:-}" ]]; then
+        read -r -a torchrun <<<"$TORCHRUN"
+    elif command -v torchrun >/dev/null 2>&1; then
+        torchrun=(torchrun)
+    else
+        torchrun=(python3 -m torch.distributed.run)
+    fi
+
+    echo "cp_ext: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], $nproc ranks/node," \
+         "rendezvous $MASTER_ADDR:$MASTER_PORT, config $config, OMP_NUM_THREADS=$OMP_NUM_THREADS" \
+         "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")"
+
+    # One task per node; torchrun starts that node's ranks and finds the others via c10d.
+    srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$cpus_per_task" \
+        --kill-on-bad-exit=1 \
+        "${torchrun[@]}" \
+        --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$nproc" \
+        --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
+        --max-restarts 0 \
+        pretrain_moe.py --config "$config" "${device_flags[@]}" "$@"
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One node without SLURM: torchrun --standalone with one rank per GPU (or NPROC_PER_NODE).
+#
+#   scripts/torchrun_single_node.sh configs/X.yaml [pretrain_moe.py flags...]
+#   NPROC_PER_NODE=4 scripts/torchrun_single_node.sh configs/cpu_demo.yaml --train-iters 20
+#
+# NPROC_PER_NODE defaults to the number of GPUs (nvidia-smi -L), else 4 (the CPU demo's grid).
+# GPU settings as in the SLURM scripts: CUDA_DEVICE_MAX_CONNECTIONS=1 (TP/SP overlap),
+# NCCL_DEBUG=WARN; OMP_NUM_THREADS = cores / ranks. See docs/operations.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+config="${CONFIG:-}"
+if [[ $# -gt 0 && ( "$1" == *.yaml || "$1" == *.yml ) ]]; then
+    config="$1"
+    shift
+fi
+if [[ -z "$config" ]]; then
+    echo "usage: $0 CONFIG.yaml [pretrain_moe.py flags...]   (or CONFIG=... $0 [flags...])" >&2
+    exit 2
+fi
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
+fi
+if [[ "$gpus" -gt 0 ]]; then
+    nproc="${NPROC_PER_NODE:-$gpus}"
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+else
+    nproc="${NPROC_PER_NODE:-4}"
+fi
+cores="$(nproc)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}"
+
+exec ${TORCHRUN:-torchrun} --standalone --nproc-per-node "$nproc" pretrain_moe.py --config "$config" "$@"
