@@ -1,0 +1,215 @@
+"""Per-rank memory formulas: parameters, weights/grads/optimizer states, activations, KV state.
+
+Model shape: L layers, hidden h, a query heads, g KV heads (GQA groups), head dim d = h/a,
+FFN size f (dense) / f_e (per expert), E experts (0: dense), top-k, vocab V, SwiGLU MLPs
+(3 weight matrices; 2 without). Grid: TP t (with sequence parallelism), PP p, CP c, DP,
+EP, ETP.
+
+Bytes per parameter (megatron-core mixed precision, as `cp_ext.training.trainer` sets it:
+bf16 weights, fp32 gradient buffer, fp32 main params + Adam m, v):
+
+    without distributed optimizer: 2 (weight) + 4 (grad) + 4 + 4 + 4 (main, m, v) = 18
+    with it:                       2 + 4 + 12 / D,   D = the DP x CP ranks that shard it
+    fp32 training:                 4 + 4 + 8 (no main copy) = 16;  4 + 4 + 8 / D
+
+Activations saved for backward, per token per layer, in elements (``layer_activation_elems``):
+counted from what the model (megatron-core GPT layer with cp_ext's core attention, RMSNorm,
+SwiGLU, flash-style attention that never materialises the s x s scores) saves, and checked
+against `tools/measure_memory.py` (saved-tensor hooks):
+
+    norms   : 2 x (input h + output h) + 2 rstd (fp32)           /t with SP
+    residual, RoPE'd query copy: 2h                               /t with SP (residual), /t (query)
+    QKV     : mixed QKV output h + 2 g d, RoPE'd q h and k g d     /t
+    core    : attention output h, its [s, b, h] copy (linear_proj input) h, LSE a (fp32)   /t
+              + h with CP > 1 (the CP function keeps its output apart from linear_proj's copy)
+    MLP     : fc1 output 2f, SwiGLU intermediates 3f             /t   (dense; f -> top-k x f_e for MoE)
+    RoPE    : 4 d (cos/sin per rotary call)
+
+This is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (2022), eq. (2): ``sbh (34 + 5 a s / h)`` bytes per layer in fp16 with dropout, with
+the 5as/h term (the s x s softmax and its dropout mask) gone under flash attention and the
+dropout masks gone at dropout 0; `korthikanti_layer_bytes` gives the paper's figure for
+reference. Sequence parallelism divides everything by t, CP divides the tokens by c. With full
+recompute only each layer's input (h per token, /t with SP) stays, plus one layer's full
+activations while it is recomputed. Under 1F1B the first pipeline stage holds p microbatches
+of L/p layers, i.e. L layers' worth.
+
+Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequence
+(fp16/bf16: 2 bytes), split by t (KV heads) and c (tokens); the LSE is ``L a s`` fp32.
+7B (MHA, L=32, h=4096) at 128K: 2 x 32 x 4096 x 131072 x 2 B = 64 GiB; 70B taken as MHA
+(L=80, h=8192): 320 GiB (with its real 8 KV heads: 40 GiB).
+"""
+
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    experts: int = 0
+    topk: int = 1
+    moe_ffn: Optional[int] = None
+    swiglu: bool = True
+    tied_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn
+
+
+PRESETS: Dict[str, ModelShape] = {
+    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False),
+    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, tied_embeddings=False),
+    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, tied_embeddings=False),
+    "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
+                               topk=2, tied_embeddings=False),
+    "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
+}
+
+
+def mlp_matrices(m: ModelShape) -> int:
+    return 3 if m.swiglu else 2
+
+
+def params_per_layer(m: ModelShape) -> Dict[str, int]:
+    """Parameters of one layer: attention + norms ('dense'), the MLP or the experts ('expert')."""
+    d = m.head_dim
+    attn = m.hidden * (m.heads * d + 2 * m.kv_heads * d) + m.heads * d * m.hidden
+    norms = 2 * m.hidden
+    if m.experts:
+        return {"dense": attn + norms + m.hidden * m.experts,  # + router
+                "expert": m.experts * mlp_matrices(m) * m.hidden * m.expert_ffn}
+    return {"dense": attn + norms + mlp_matrices(m) * m.hidden * m.ffn, "expert": 0}
+
+
+def total_params(m: ModelShape) -> int:
+    per = params_per_layer(m)
+    emb = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
+    return m.layers * (per["dense"] + per["expert"]) + emb + m.hidden
+
+
+def bytes_per_param(dtype: str, distributed_optimizer: bool, shards: int) -> Dict[str, float]:
+    """Weight / grad / optimizer bytes per parameter (see the module docstring)."""
+    if dtype == "fp32":
+        w, g, opt = 4, 4, 8
+    else:
+        w, g, opt = 2, 4, 12
+    return {"weights": w, "grads": g, "optimizer": opt / shards if distributed_optimizer else opt}
+
+
+def layer_activation_elems(m: ModelShape, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> Dict[str, float]:
+    """Elements saved per token per layer, split into activation-dtype and fp32 parts."""
+    h, d, a, g = m.hidden, m.head_dim, m.heads, m.kv_heads
+    sp = tp if sequence_parallel else 1
+    f = m.topk * m.expert_ffn if m.experts else m.ffn
+    mlp = (2 * f + 3 * f) if m.swiglu else (f + 2 * f)
+    act = (4 * h + h) / sp  # norm in/out x 2, residual
+    act += (h + (h + 2 * g * d) + g * d) / tp  # RoPE'd query copy, mixed QKV, RoPE'd key
+    act += (2 * h + (h if cp > 1 else 0)) / tp  # attention output, linear_proj input (+ CP output)
+    act += mlp / tp + 4 * d
+    if m.experts:
+        act += m.experts / sp  # router logits
+    fp32 = 2 / sp + a / tp  # rstd x 2, LSE
+    return {"act": act, "fp32": fp32}
+
+
+def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = True) -> float:
+    """The paper's per-layer activation bytes sbh(34 + 5as/h) (fp16, dropout on); flash drops 5as/h."""
+    return s * b * m.hidden * (34 + (0 if flash else 5 * m.heads * s / m.hidden))
+
+
+def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
+                     dtype: str = "bf16", recompute: bool = False, sequence_parallel: bool = True,
+                     microbatches_in_flight: Optional[int] = None) -> Dict[str, float]:
+    """Per-rank activation bytes of one training step (first pipeline stage, the largest)."""
+    e = 4 if dtype == "fp32" else 2
+    tokens = s * b / cp
+    per_layer = layer_activation_elems(m, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+    layer_bytes = tokens * (per_layer["act"] * e + per_layer["fp32"] * 4)
+    stage_layers = m.layers // pp
+    in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
+    sp = tp if sequence_parallel else 1
+    if recompute:
+        layers_bytes = stage_layers * in_flight * tokens * m.hidden * e / sp + layer_bytes
+    else:
+        layers_bytes = stage_layers * in_flight * layer_bytes
+    # outside the layers: embedding output, final norm in/out (3h), logits (V / t), tokens
+    vocab_part = tokens * (3 * m.hidden / sp * e + m.vocab / tp * 4 + 4)
+    return {"layers": layers_bytes, "embedding+logits": vocab_part, "total": layers_bytes + vocab_part}
+
+
+def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, dtype: str = "bf16",
+                   mha: bool = False) -> Dict[str, float]:
+    """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank."""
+    e = 4 if dtype == "fp32" else 2
+    g = m.heads if mha else m.kv_heads
+    kv = 2 * m.layers * g * m.head_dim * s * b * e / (tp * cp)
+    lse = m.layers * m.heads * s * b * 4 / (tp * cp)
+    return {"kv": kv, "lse": lse, "total": kv + lse}
+
+
+@dataclass(frozen=True)
+class Grid:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    ulysses: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+
+def weight_bytes(m: ModelShape, grid: Grid, *, dtype: str = "bf16", distributed_optimizer: bool = True) -> Dict[str, float]:
+    """Weights, grads and optimizer states per rank (the heaviest pipeline stage)."""
+    per = params_per_layer(m)
+    stage_layers = m.layers // grid.pp
+    emb = m.vocab * m.hidden / grid.tp
+    # first stage: embedding; last stage: output layer (a copy when tied and PP > 1). PP = 1: both.
+    if grid.pp == 1:
+        emb_params = emb * (1 if m.tied_embeddings else 2)
+    else:
+        emb_params = emb
+    dense = stage_layers * per["dense"] / grid.tp + emb_params + m.hidden
+    expert = stage_layers * per["expert"] / (grid.ep * grid.etp)
+    dense_shards = grid.dp * grid.cp
+    expert_shards = max(1, grid.dp * grid.cp * grid.tp // (grid.ep * grid.etp))
+    bd = bytes_per_param(dtype, distributed_optimizer, dense_shards)
+    be = bytes_per_param(dtype, distributed_optimizer, expert_shards)
+    out = {k: dense * bd[k] + expert * be[k] for k in ("weights", "grads", "optimizer")}
+    out["params"] = dense + expert
+    return out
+
+
+def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
+                recompute: bool = False, microbatches: int = 1) -> Dict[str, float]:
+    """The per-rank estimate: weights, grads, optimizer, activations, attention state and total bytes."""
+    w = weight_bytes(m, grid, dtype=dtype, distributed_optimizer=distributed_optimizer)
+    act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,
+                           microbatches_in_flight=min(grid.pp, microbatches))
+    kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype)
+    out = {"params": w["params"], "weights": w["weights"], "grads": w["grads"], "optimizer": w["optimizer"],
+           "activations": act["total"], "kv_state": kv["total"]}
+    # The KV state is part of the saved activations (K, V and LSE are saved for backward): not added again.
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+    return out
+
+
+__all__ = ["GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "bytes_per_param", "korthikanti_layer_bytes",
+           "kv_state_bytes", "layer_activation_elems", "params_per_layer", "rank_memory", "replace", "total_params",
+           "weight_bytes"]
