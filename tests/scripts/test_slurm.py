@@ -1,0 +1,90 @@
+"""scripts/slurm_single_node.sbatch on a real one-node SLURM cluster started by the test.
+
+The cluster (tests/scripts/slurm_cluster.py): Debian's slurm-wlm 22.05, slurmctld + slurmd in
+the foreground as children of this test, auth/none (no munge), state and logs in a temp dir,
+ports picked free. The job is the real sbatch script in CPU mode: 2 gloo ranks of the CPU demo
+config shrunk by flags, submitted with `sbatch --wait`. Afterwards exactly the two daemons
+started here are stopped.
+
+Skipped (with the reason) only when slurm is not installed and `apt-get install slurm-wlm`
+is not possible or fails, or when the daemons cannot start on this machine.
+CI installs it up front: `apt-get install -y --no-install-recommends slurm-wlm`.
+"""
+
+import os
+import re
+
+import pytest
+
+from tests.launch import REPO_ROOT
+from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, try_install
+
+SCRIPT = REPO_ROOT / "scripts" / "slurm_single_node.sbatch"
+SHRINK = ["--tensor-model-parallel-size", "1", "--train-iters", "3", "--lr-warmup-iters", "1", "--log-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.environ.get("CP_EXT_NO_APT") != "1":
+        reason = try_install(timeout=300)
+    else:
+        from tests.scripts.slurm_cluster import missing_binaries
+        reason = f"slurm binaries missing: {missing_binaries()}" if missing_binaries() else None
+    if reason:
+        pytest.skip(f"SLURM not available: {reason}")
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start(timeout=60)
+    except SlurmClusterError as e:
+        c.stop()
+        pytest.skip(f"SLURM installed but its daemons cannot start here: {e}")
+    yield c
+    pids = [p.pid for p in c.procs.values()]
+    c.stop()
+    for pid in pids:  # exactly the daemons started above are gone
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def submit(cluster, tmp_path, *args):
+    out = tmp_path / "job.out"
+    env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    cpus = min(2, cluster.cpus)
+    cmd = ["sbatch", "--wait", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={cpus}",
+           "--time=10", "--job-name=cp_ext_test", str(SCRIPT), *map(str, args)]
+    proc = cluster.run(cmd, check=False, timeout=300, env=env, cwd=REPO_ROOT)
+    log = out.read_text() if out.exists() else "(no job output)"
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    return proc, log, job and job.group(1)
+
+
+def job_info(cluster, job):
+    """`scontrol show job`, or None once slurmctld has purged the record (MinJobAge=16 s)."""
+    proc = cluster.run(["scontrol", "show", "job", job], check=False)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--log-dir", run_dir)
+    context = f"sbatch exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}\n--- job log ---\n{log[-6000:]}\n{cluster.logs()}"
+    assert proc.returncode == 0 and job, context
+    info = job_info(cluster, job)
+    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info), info
+    # the script's own banner: CPU mode, 2 ranks, rendezvous on the node list's first host
+    assert re.search(rf"cp_ext: job {job} on 1 node\(s\) \[{cluster.node}\], 2 ranks/node, rendezvous {cluster.node}:\d+, "
+                     r"config configs/cpu_demo.yaml, OMP_NUM_THREADS=1 \(CPU/gloo\)", log), context
+    assert "training: world 2 = TP 1 x PP 1 x CP 1" in log, context
+    iterations = re.findall(r"^ iteration +(\d+)/ +3 \|.*\| lm loss: \d\.\d+E[+-]\d+ \|", log, re.M)
+    assert iterations == ["1", "2", "3"], context
+    assert re.search(r"^training done: lm loss [\d.]+ \(iteration 1\) -> [\d.]+ \(iteration 3\)", log, re.M), context
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
+    """A configuration error on every rank: the job fails and sbatch --wait says so."""
+    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--num-layers", "3",
+                            "--pipeline-model-parallel-size", "2")
+    assert proc.returncode != 0 and job, f"{proc.stdout}\n{proc.stderr}\n{log}"
+    info = job_info(cluster, job)
+    assert info is None or "JobState=FAILED" in info, info
+    assert "training done" not in log
