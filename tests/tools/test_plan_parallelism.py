@@ -1,0 +1,127 @@
+"""tools/plan_parallelism.py and cp_ext.perf: exact against hand arithmetic (pure Python, fast)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+import plan_parallelism as planner  # noqa: E402
+from cp_ext.perf import comm  # noqa: E402
+from cp_ext.perf.memory import (  # noqa: E402
+    GiB, PRESETS, Grid, ModelShape, activation_bytes, bytes_per_param, kv_state_bytes, params_per_layer, rank_memory,
+    total_params, weight_bytes,
+)
+
+
+def test_kv_arithmetic_7b_and_70b_at_128k():
+    # 7B: 32 layers x 4096 hidden x 2 (K, V) x 2 bytes x 131072 tokens = 64 GiB
+    assert kv_state_bytes(PRESETS["llama2-7b"], s=131072, dtype="bf16")["kv"] == 32 * 4096 * 2 * 2 * 131072 == 64 * GiB
+    # 70B taken as MHA: 80 layers x 8192 hidden -> 320 GiB; with its 8 KV heads: 40 GiB
+    m70 = PRESETS["llama2-70b"]
+    assert kv_state_bytes(m70, s=131072, mha=True)["kv"] == 80 * 8192 * 2 * 2 * 131072 == 320 * GiB
+    assert kv_state_bytes(m70, s=131072)["kv"] == 40 * GiB
+    # split over TP x CP
+    assert kv_state_bytes(PRESETS["llama2-7b"], s=131072, tp=2, cp=8)["kv"] == 4 * GiB
+
+
+def test_kv_arithmetic_cli(capsys):
+    assert planner.main(["--model", "llama2-70b", "--kv-arithmetic"]) == 0
+    out = capsys.readouterr().out
+    assert "= 320.0 GiB" in out and "= 40.0 GiB" in out
+
+
+def test_param_counts_match_llama2_7b():
+    m = PRESETS["llama2-7b"]
+    per = params_per_layer(m)
+    assert per["dense"] == 4 * 4096 * 4096 + 2 * 4096 + 3 * 4096 * 11008
+    assert total_params(m) == 32 * per["dense"] + 2 * 32000 * 4096 + 4096 == 6_738_415_616  # the published 6.74B
+
+
+def test_bytes_per_param():
+    assert sum(bytes_per_param("bf16", False, 8).values()) == 18
+    assert sum(bytes_per_param("bf16", True, 8).values()) == 2 + 4 + 12 / 8
+    assert sum(bytes_per_param("fp32", False, 1).values()) == 16
+
+
+def test_weight_bytes_by_hand():
+    m = ModelShape(layers=4, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=256, experts=4, topk=2)
+    g = Grid(tp=2, pp=2, cp=2, dp=2, ep=2, etp=2)
+    w = weight_bytes(m, g, distributed_optimizer=True)
+    dense = 2 * (4 * 64 * 64 + 2 * 64 + 64 * 4) / 2 + 256 * 64 / 2 + 64  # 2 layers/stage, /TP; embedding /TP; final norm
+    expert = 2 * 4 * 3 * 64 * 128 / (2 * 2)
+    assert w["params"] == dense + expert
+    assert w["weights"] == 2 * (dense + expert) and w["grads"] == 4 * (dense + expert)
+    assert w["optimizer"] == dense * 12 / 4 + expert * 12 / 2  # D = DP x CP = 4; expert DP = 8 / (EP x ETP) = 2
+
+
+def test_activation_formula_by_hand_and_scaling():
+    m = ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384)
+    a1 = activation_bytes(m, s=4096, dtype="fp32")
+    # per layer per token: 5h + (h + 3h + h) + 2h + 5f + 4d elements (fp32) + 2 rstd + 4 LSE
+    per_layer = (5 * 64 + 5 * 64 + 2 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4
+    assert a1["layers"] == 2 * 4096 * per_layer
+    assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 384 * 4 + 4)
+    a2 = activation_bytes(m, s=4096, cp=2, dtype="fp32")
+    assert a2["total"] / a1["total"] <= 1.15 / 2
+    # full recompute keeps only the layer inputs (+ one layer's working set)
+    r = activation_bytes(m, s=4096, dtype="fp32", recompute=True)
+    assert r["layers"] == 2 * 4096 * 64 * 4 + 4096 * per_layer
+
+
+def test_comm_formulas_by_hand():
+    # ring: fwd (R-1) KV, bwd (R-1) KV + R dKV (fp32)
+    kv = 2 * 1 * 8 * 2048 * 64 * 4
+    assert comm.ring_bytes(b=1, hk=8, s_local=2048, d=64, ring=2, dtype="fp32") == {"fwd": kv, "bwd": kv + 2 * kv}
+    bf = comm.ring_bytes(b=1, hk=8, s_local=2048, d=64, ring=4, dtype="bf16")
+    assert bf == {"fwd": 3 * kv // 2, "bwd": 3 * kv // 2 + 4 * kv}
+    # Ulysses: 4 exchanges fwd of (U-1)/U of q, k, v, out
+    q = 1 * 8 * 2048 * 64 * 4
+    assert comm.ulysses_bytes(b=1, h=8, hk=8, s_local=2048, d=64, ulysses=2, dtype="fp32") == {"fwd": 2 * q, "bwd": 2 * q}
+    # GQA hk=2 < U=4: KV heads replicated x2 to 4 -> k, v at half of q's heads
+    u = comm.ulysses_bytes(b=1, h=8, hk=2, s_local=2048, d=64, ulysses=4, dtype="fp32")
+    assert u["fwd"] == 3 * (2 * q // 4 + 2 * (q // 2) // 4)
+    # hybrid C = 4 = U2 x R2: ring over s/2 tokens with h/U, hk/U heads
+    hy = comm.cp_attention_bytes(b=1, h=8, hk=8, s=8192, d=64, cp=4, ulysses=2, dtype="fp32")
+    assert hy["ring_p2p"] == comm.ring_bytes(b=1, hk=4, s_local=4096, d=64, ring=2, dtype="fp32")
+    assert hy["ulysses_a2a"] == comm.ulysses_bytes(b=1, h=8, hk=8, s_local=2048, d=64, ulysses=2, dtype="fp32")
+    # TP with SP: 4 x (t-1)/t x sbh each way; EP: dispatch + combine each way
+    assert comm.tp_layer_bytes(b=1, s=4096, hidden=1024, tp=4, dtype="bf16")["fwd"] == 4 * 4096 * 1024 * 2 * 3 // 4
+    assert comm.ep_layer_bytes(b=1, s=4096, hidden=1024, topk=2, ep=4, tp=2, dtype="bf16")["bwd"] == 2 * (2048 * 2 * 1024 * 2 * 3 // 4)
+
+
+def test_small_model_layouts_ranked_and_invalid_excluded_with_reason():
+    m = ModelShape(layers=6, hidden=1024, heads=12, kv_heads=4, ffn=4096, vocab=32000)
+    plans = planner.plan(m, s=12288, global_batch=6, gpu_memory=24 * GiB, gpus_per_node=4, nodes=2)
+    assert len(plans) == sum(1 for tp in range(1, 9) if 8 % tp == 0 for pp in planner.divisors(8 // tp)
+                             for cp in planner.divisors(8 // (tp * pp)))
+    valid = [p for p in plans if p.valid]
+    invalid = {(p.grid.tp, p.grid.pp, p.grid.cp): p.reason for p in plans if not p.valid}
+    assert valid and all(p.memory["total"] <= 0.9 * 24 * GiB for p in valid)
+    assert "TP 8 does not divide the 12 heads" in invalid[(8, 1, 1)]
+    assert "PP 4 does not divide the 6 layers" in invalid[(1, 4, 1)]
+    assert "global batch 6 is not divisible by DP 4" in invalid[(1, 1, 2)]
+    # no-recompute layouts come before those needing recompute; then by estimated comm time
+    flags = [p.recompute for p in valid]
+    assert flags == sorted(flags)
+    for p in valid:
+        g = p.grid
+        assert g.tp * g.pp * g.cp * g.dp == 8 and g.cp % g.ulysses == 0 and (12 // g.tp) % g.ulysses == 0
+        expect = rank_memory(m, g, s=12288, recompute=p.recompute, microbatches=6 // g.dp)
+        assert p.memory == expect
+
+
+def test_cli_runs(capsys):
+    assert planner.main(["--model", "mixtral-8x7b", "--seq-length", "32768", "--global-batch", "32", "--nodes", "2",
+                         "--top", "3", "--show-invalid"]) == 0
+    out = capsys.readouterr().out
+    assert "fits:" in out and "excluded" in out and "EP" in out
+
+
+@pytest.mark.parametrize("flags", [["--layers", "2"], []])
+def test_cli_needs_a_model(flags):
+    with pytest.raises(SystemExit):
+        planner.main(flags)

@@ -1,0 +1,216 @@
+"""Plan TP x PP x CP x DP (EP folded) for a model, a sequence length and a cluster.
+
+Pure arithmetic (no torch): the formulas are in `cp_ext.perf.memory` (per-rank memory) and
+`cp_ext.perf.comm` (bytes per collective), shared with tools/bench_attention.py and checked
+against tools/measure_memory.py.
+
+    python tools/plan_parallelism.py --model llama2-7b --seq-length 131072 --global-batch 64 \
+        --gpu-memory-gib 80 --gpus-per-node 8 --nodes 4
+    python tools/plan_parallelism.py --layers 32 --hidden 4096 --heads 32 --kv-heads 8 \
+        --ffn 14336 --experts 8 --topk 2 --vocab 32000 --seq-length 32768 ...
+    python tools/plan_parallelism.py --model llama2-7b --kv-arithmetic    # the textbook KV numbers
+
+For every TP (within a node, dividing the heads), PP (dividing the layers), CP (seq divisible
+by 2 CP) with DP = GPUs / (TP PP CP) dividing the global batch, it folds EP (the largest
+EP dividing both the experts and DP x CP, as megatron-core does) and picks the Ulysses size U
+(U | CP, U | heads/TP, TP x U within a node), estimates per-rank memory with the distributed
+optimizer, without and then with full recompute, and the communication per layer. Layouts
+that fit are ranked: no recompute first, then the least estimated communication time
+(per-layer bytes over NVLink or the inter-node network, x layers per stage x microbatches),
+then the smallest pipeline bubble. Layouts that do not fit or are invalid are listed with
+their reason (``--show-invalid``).
+"""
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cp_ext.perf import comm  # noqa: E402
+from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, total_params  # noqa: E402
+
+
+@dataclass
+class Plan:
+    grid: Grid
+    valid: bool
+    reason: str
+    recompute: bool = False
+    memory: dict = field(default_factory=dict)
+    comm_per_layer: dict = field(default_factory=dict)
+    comm_seconds: float = 0.0
+    bubble: float = 0.0
+
+
+def divisors(n: int) -> List[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str) -> dict:
+    """Bytes sent per rank per layer (forward + backward) by collective."""
+    hk_local = max(1, m.kv_heads // g.tp)
+    cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=hk_local, s=s, d=m.head_dim, cp=g.cp,
+                                  ulysses=g.ulysses, dtype=dtype)
+    tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
+    ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
+    both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
+    return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]), "ep": both(ep)}
+
+
+def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_per_node: int, nodes: int,
+         micro_batch: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
+         intra_gbps: float = 300.0, inter_gbps: float = 25.0, headroom: float = 0.9) -> List[Plan]:
+    """Every TP x PP x CP x DP layout of nodes x gpus_per_node GPUs, valid or not, ranked."""
+    world = gpus_per_node * nodes
+    plans: List[Plan] = []
+    budget = gpu_memory * headroom
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            for cp in divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                g = Grid(tp=tp, pp=pp, cp=cp, dp=dp)
+                reason = _invalid_reason(m, g, s=s, global_batch=global_batch, micro_batch=micro_batch,
+                                         gpus_per_node=gpus_per_node)
+                if reason:
+                    plans.append(Plan(g, False, reason))
+                    continue
+                g = _fold(m, g, gpus_per_node)
+                micro = global_batch // (dp * micro_batch)
+                best = None
+                for recompute in (False, True):
+                    mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
+                                      recompute=recompute, microbatches=micro)
+                    best = (recompute, mem)
+                    if mem["total"] <= budget:
+                        break
+                recompute, mem = best
+                per_layer = layer_comm(m, g, s=s, b=micro_batch, dtype=dtype)
+                secs = _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) * (m.layers // pp) * micro
+                bubble = (pp - 1) / (micro + pp - 1)
+                fits = mem["total"] <= budget
+                why = (f"fits: {mem['total'] / GiB:.1f} GiB <= {budget / GiB:.1f} GiB ({headroom:.0%} of {gpu_memory / GiB:.0f})"
+                       + (", needs full recompute" if recompute else "")
+                       if fits else f"does not fit: {mem['total'] / GiB:.1f} GiB > {budget / GiB:.1f} GiB even with full recompute")
+                plans.append(Plan(g, fits, why, recompute, mem, per_layer, secs, bubble))
+    valid = sorted((p for p in plans if p.valid), key=lambda p: (p.recompute, round(p.comm_seconds * (1 + p.bubble), 6), p.grid.pp))
+    return valid + [p for p in plans if not p.valid]
+
+
+def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Optional[str]:
+    if m.heads % g.tp or m.kv_heads % g.tp:
+        return f"TP {g.tp} does not divide the {m.heads} heads / {m.kv_heads} KV heads"
+    if g.tp > gpus_per_node:
+        return f"TP {g.tp} spans nodes ({gpus_per_node} GPUs per node); TP stays inside NVLink"
+    if m.layers % g.pp:
+        return f"PP {g.pp} does not divide the {m.layers} layers"
+    if s % (2 * g.cp):
+        return f"sequence {s} is not divisible by 2 x CP = {2 * g.cp} (zigzag chunks)"
+    if (s // g.cp) % g.tp:
+        return f"s / CP = {s // g.cp} is not divisible by TP {g.tp} (sequence parallelism)"
+    if global_batch % (g.dp * micro_batch):
+        return f"global batch {global_batch} is not divisible by DP {g.dp} x micro batch {micro_batch}"
+    return None
+
+
+def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
+    """Megatron's EP folding (ETP = TP, cp_ext's default; EP | experts, EP x ETP | TP x CP x DP,
+    the largest such EP) and the Ulysses size (the largest U | CP, U | heads/TP, TP x U within a node)."""
+    ep = 1
+    if m.experts:
+        ep = max(e for e in divisors(m.experts) if (g.dp * g.cp) % e == 0)
+    ulysses = max(u for u in divisors(g.cp) if (m.heads // g.tp) % u == 0 and g.tp * u <= gpus_per_node)
+    return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=g.tp, ulysses=ulysses)
+
+
+def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
+    """Per-layer seconds if nothing overlapped: each collective over NVLink when its group fits a node."""
+    bw = lambda span: (intra_gbps if span <= gpus_per_node else inter_gbps) * 1e9  # noqa: E731
+    return (per_layer["tp"] / bw(g.tp) + per_layer["cp_ulysses"] / bw(g.tp * g.ulysses)
+            + per_layer["cp_ring"] / bw(g.tp * g.cp) + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
+
+
+def _fmt_grid(g: Grid) -> str:
+    return f"TP{g.tp} PP{g.pp} CP{g.cp}(U{g.ulysses}xR{g.cp // g.ulysses}) DP{g.dp} EP{g.ep}"
+
+
+def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
+    kv = kv_state_bytes(m, s=s, dtype="bf16", mha=mha)["kv"]
+    g = m.heads if mha else m.kv_heads
+    return (f"KV = 2 (K,V) x {m.layers} layers x {g * m.head_dim} ({g} heads x {m.head_dim}) x {s} tokens x 2 B "
+            f"= {kv:.0f} B = {kv / GiB:.1f} GiB")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default=None, help="a preset; explicit flags override it")
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "topk", "moe-ffn"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=131072)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU inside a node (NVLink)")
+    p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (IB)")
+    p.add_argument("--top", type=int, default=10, help="valid layouts to print")
+    p.add_argument("--show-invalid", action="store_true", help="also list the excluded layouts and why")
+    p.add_argument("--kv-arithmetic", action="store_true", help="print the textbook KV-cache arithmetic and exit")
+    args = p.parse_args(argv)
+
+    base = PRESETS[args.model] if args.model else None
+    vals = {}
+    for key, flag in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
+                      ("ffn", "ffn"), ("vocab", "vocab"), ("experts", "experts"), ("topk", "topk"), ("moe_ffn", "moe_ffn")):
+        v = getattr(args, flag)
+        vals[key] = v if v is not None else (getattr(base, key) if base else None)
+    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if vals[k] is None]
+    if missing:
+        p.error(f"give --model or all of --layers --hidden --heads --ffn --vocab (missing: {', '.join(missing)})")
+    vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
+    vals["experts"] = vals["experts"] or 0
+    vals["topk"] = vals["topk"] or (base.topk if base else 1)
+    m = ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
+    if args.kv_arithmetic:
+        print(f"MHA:  {kv_arithmetic(m, args.seq_length, mha=True)}")
+        print(f"GQA:  {kv_arithmetic(m, args.seq_length, mha=False)}")
+        return 0
+
+    world = args.gpus_per_node * args.nodes
+    gib = GiB
+    print(f"model: {m} -> {total_params(m) / 1e9:.2f} B params; seq {args.seq_length}, global batch {args.global_batch}, "
+          f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory_gib:g} GiB, {args.dtype}, "
+          f"{'no ' if args.no_distributed_optimizer else ''}distributed optimizer")
+    bpp = "2 + 4 + 12/D (bf16 weight, fp32 grad, fp32 main + Adam m, v; D = DP x CP)" if not args.no_distributed_optimizer \
+        else "2 + 4 + 12 = 18"
+    print(f"bytes/param: {bpp}; activations: cp_ext per-layer count (Korthikanti et al. 2022 without the 5as/h term), "
+          f"/TP (SP) /CP; {kv_arithmetic(m, args.seq_length, mha=False)} per sequence before TP x CP")
+    plans = plan(m, s=args.seq_length, global_batch=args.global_batch, gpu_memory=args.gpu_memory_gib * gib,
+                 gpus_per_node=args.gpus_per_node, nodes=args.nodes, micro_batch=args.micro_batch, dtype=args.dtype,
+                 distributed_optimizer=not args.no_distributed_optimizer, intra_gbps=args.intra_node_gbps,
+                 inter_gbps=args.inter_node_gbps)
+    valid = [p_ for p_ in plans if p_.valid]
+    print(f"{len(valid)} of {len(plans)} layouts of {world} GPUs fit; best first (GiB per rank; comm MiB per layer fwd+bwd):")
+    print(f"{'#':>3s} {'layout':34s} {'weights':>8s} {'grads':>6s} {'optim':>6s} {'activ':>7s} {'(KV+LSE)':>9s} {'total':>7s} "
+          f"{'TP':>7s} {'ring':>7s} {'a2a':>7s} {'EP':>7s} {'comm s':>7s} {'bubble':>6s}  reason")
+    for i, pl in enumerate(valid[:args.top], 1):
+        mm, c = pl.memory, pl.comm_per_layer
+        print(f"{i:>3d} {_fmt_grid(pl.grid):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} {mm['optimizer'] / gib:6.2f} "
+              f"{mm['activations'] / gib:7.2f} {mm['kv_state'] / gib:9.2f} {mm['total'] / gib:7.2f} "
+              f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
+              f"{pl.comm_seconds:7.3f} {pl.bubble:6.2f}  {pl.reason}")
+    if args.show_invalid or not valid:
+        for pl in plans:
+            if not pl.valid:
+                print(f"    excluded {_fmt_grid(pl.grid):34s} {pl.reason}")
+    return 0 if valid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
