@@ -293,6 +293,7 @@ def require_matplotlib():
 
 def plot(curve_a, curve_b, key, cmp, out):
     import matplotlib  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -310,6 +311,7 @@ def plot(curve_a, curve_b, key, cmp, out):
     bottom.plot(cmp.iterations, diff, color="tab:red", label="B - A")
     bottom.axhline(0.0, color="black", linewidth=0.5)
     bottom.set_xlabel("iteration")
+    bottom.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     bottom.set_ylabel("B - A")
     bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     bottom.grid(alpha=0.3)
