@@ -1,0 +1,43 @@
+"""tools/measure_memory.py: the Trainer's saved-for-backward bytes at CP=1 and CP=2 on an
+attention-heavy CPU config, the per-rank ratio bound, and the planner's estimate of the same
+config within 15%."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+import measure_memory  # noqa: E402
+from cp_ext.perf.memory import ModelShape, activation_bytes  # noqa: E402
+
+FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
+         "--train-iters", "1"]
+SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=384)  # ByteTokenizer 257 -> 384
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure_memory.compare(2, FLAGS)
+
+
+def test_cp2_per_rank_activations_at_most_1_15_over_2(measured):
+    base, split, ratio = measured
+    assert len(base) == 1 and len(split) == 2
+    assert base[0]["tokens"] == 2048 and all(r["tokens"] == 1024 for r in split)
+    assert 0.45 < ratio <= 1.15 / 2, ratio
+    for r in base + split:
+        assert r["peak_bytes"] > r["activation_bytes"] > 0
+        assert r["peak_kind"] == "peak RSS" and r["rss_growth_bytes"] is not None
+
+
+def test_planner_estimate_within_15_percent(measured):
+    base, split, _ = measured
+    for cp, recs in ((1, base), (2, split)):
+        est = activation_bytes(SHAPE, s=2048, cp=cp, dtype="fp32")["total"]
+        for r in recs:
+            assert abs(est - r["activation_bytes"]) <= 0.15 * r["activation_bytes"], (cp, est, r["activation_bytes"])
