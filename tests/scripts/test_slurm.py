@@ -88,3 +88,11 @@ def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
     info = job_info(cluster, job)
     assert info is None or "JobState=FAILED" in info, info
     assert "training done" not in log
+
+
+def test_multi_node_script_is_accepted(cluster):
+    """The multi-node script's #SBATCH headers parse and schedule (sized down to this one node)."""
+    script = REPO_ROOT / "scripts" / "slurm_multi_node.sbatch"
+    proc = cluster.run(["sbatch", "--test-only", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={min(2, cluster.cpus)}",
+                        "--time=10", str(script), "configs/cpu_demo.yaml"], check=False, cwd=REPO_ROOT)
+    assert proc.returncode == 0 and "to start at" in proc.stderr + proc.stdout, proc.stdout + proc.stderr
