@@ -17,7 +17,6 @@
 # PLOT (1: write OUT_DIR/loss_curves.png when matplotlib is installed; 0: no plot).
 # Per-run logs: OUT_DIR/cp<N>/ and OUT_DIR/cp1/ (metrics.jsonl, config.yaml, train.log).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
 if [[ $# -lt 2 ]]; then
     echo "usage: $0 CONFIG.yaml CP [pretrain_moe.py flags...]" >&2
@@ -25,6 +24,10 @@ if [[ $# -lt 2 ]]; then
 fi
 config="$1" cp="$2"
 shift 2
+# Paths given relative to the caller's directory stay valid after the cd to the repository.
+[[ -f "$config" ]] && config="$(realpath "$config")"
+[[ -n "${OUT_DIR:-}" ]] && OUT_DIR="$(realpath -m "$OUT_DIR")"
+cd "$(dirname "$0")/.."
 if [[ ! -f "$config" ]]; then
     echo "error: config $config: no such file" >&2
     exit 2

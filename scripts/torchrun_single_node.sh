@@ -8,13 +8,18 @@
 # GPU settings as in the SLURM scripts: CUDA_DEVICE_MAX_CONNECTIONS=1 (TP/SP overlap),
 # NCCL_DEBUG=WARN; OMP_NUM_THREADS = cores / ranks. See docs/operations.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
 config="${CONFIG:-}"
 if [[ $# -gt 0 && ( "$1" == *.yaml || "$1" == *.yml ) ]]; then
     config="$1"
     shift
 fi
+# A config path relative to the caller's directory stays valid after the cd to the repository
+# (else it is read relative to the repository, e.g. configs/cpu_demo.yaml from anywhere).
+if [[ -n "$config" && -f "$config" ]]; then
+    config="$(realpath "$config")"
+fi
+cd "$(dirname "$0")/.."
 if [[ -z "$config" ]]; then
     echo "usage: $0 CONFIG.yaml [pretrain_moe.py flags...]   (or CONFIG=... $0 [flags...])" >&2
     exit 2
