@@ -119,5 +119,5 @@ def _build_gpt_dataset(args, num_samples):
     # Only the train split is used: its documents are the ones --split assigns it, and the
     # valid/test splits are not built (an empty split would loop forever in GPTDataset).
     config.split_matrix = [config.split_matrix[0], None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], reads_data, config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], reads_data, config).build()
     return TrainDataset(train, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length)

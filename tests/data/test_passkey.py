@@ -1,0 +1,29 @@
+"""The passkey task's samples: the key and the answer sit on different CP ranks (CP = 2, both layouts)."""
+
+import torch
+
+from cp_ext.data.passkey import DIGITS, KEY, QUERY, PasskeyDataset
+from cp_ext.data.sharding import context_parallel_positions
+
+
+def test_key_and_answer_on_different_cp_ranks():
+    seq = 128
+    data = PasskeyDataset(seq, num_samples=64, seed=3)
+    owner = {}
+    for layout in ("zigzag", "contiguous"):
+        for rank in range(2):
+            for p in context_parallel_positions(seq, ring_rank=rank, ring_size=2, layout=layout).tolist():
+                owner[layout, p] = rank
+    for i in range(len(data)):
+        sample = data[i]
+        tokens, labels, mask = sample["tokens"], sample["labels"], sample["loss_mask"]
+        key_at = int((tokens == KEY).nonzero()[0])
+        key = tokens[key_at + 1 : key_at + 5]
+        answer_at = (mask > 0).nonzero().flatten()
+        assert torch.equal(labels[answer_at], key) and tokens[answer_at[0]] == QUERY
+        assert (key >= DIGITS).all() and data.vocab_size > int(tokens.max())
+        assert torch.equal(sample["position_ids"], torch.arange(seq))
+        for layout in ("zigzag", "contiguous"):
+            key_ranks = {owner[layout, p] for p in range(key_at, key_at + 5)}
+            answer_ranks = {owner[layout, int(p)] for p in answer_at}
+            assert len(key_ranks) == 1 and key_ranks.isdisjoint(answer_ranks), (layout, key_at)
