@@ -24,9 +24,20 @@ class ContextParallelTransformerConfig(TransformerConfig):
 
 
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
-    """Megatron-LM's padding: a multiple of divisible_by x TP so the vocab splits evenly."""
-    multiple = divisible_by * tp_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+    """The vocabulary padded to a multiple of ``divisible_by``, the same on every grid.
+
+    Megatron-LM pads to a multiple of divisible_by x TP, so the padded logits (which take
+    part in the softmax) and the embedding shape change with TP, and a TP2 run is not the
+    TP1 model. cp_ext pads independently of TP and only requires TP to divide the result.
+    """
+    padded = ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
+    if padded % tp_size:
+        raise ValueError(
+            f"the padded vocabulary ({vocab_size} -> {padded}, --make-vocab-size-divisible-by {divisible_by}) "
+            f"is not divisible by --tensor-model-parallel-size {tp_size}; use a --make-vocab-size-divisible-by "
+            f"that is a multiple of {tp_size}"
+        )
+    return padded
 
 
 def aux_loss_layout_factor(args):
