@@ -140,11 +140,12 @@ def read_wandb_online(run_path, key, source=None):
 
     try:
         run = wandb.Api(timeout=60).run(run_path)
-        rows = list(run.scan_history(keys=["_step", key]))
+        rows = list(run.scan_history(keys=["_step", key]))  # only rows that have both keys
+        known = [] if rows else [k for k in run.summary.keys() if not k.startswith("_")]
     except Exception as e:  # auth, network, unknown run: all "cannot read this input"
         raise InputError(f"wandb run {run_path}: {type(e).__name__}: {e}")
     curve = Curve(source or run_path, "wandb-online", f"wandb:{run_path}")
-    curve.keys.update(k for k in (run.summary.keys() if hasattr(run, "summary") else []) if not k.startswith("_"))
+    curve.keys.update(known)
     for row in rows:
         _add_point(curve, int(row["_step"]), row, key)
     return curve

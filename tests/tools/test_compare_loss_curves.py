@@ -242,3 +242,27 @@ def test_missing_local_path_is_not_mistaken_for_a_wandb_run(tmp_path):
 def test_ranges():
     assert clc.ranges([]) == "none"
     assert clc.ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+
+
+def test_online_reader_maps_steps_and_values(monkeypatch):
+    """Online runs need network; this pins only our side of wandb.Api (a stand-in run object)."""
+    import wandb
+
+    class FakeRun:
+        summary = {"train/lm_loss": 1.0, "_step": 3}
+
+        def scan_history(self, keys):
+            assert keys == ["_step", "train/lm_loss"]
+            return iter([{"_step": 1, "train/lm_loss": 5.0}, {"_step": 2, "train/lm_loss": 4.5}])
+
+    class FakeApi:
+        def __init__(self, timeout=None):
+            pass
+
+        def run(self, path):
+            assert path == "team/proj/abc123"
+            return FakeRun()
+
+    monkeypatch.setattr(wandb, "Api", FakeApi)
+    c = clc.load_curve("https://wandb.ai/team/proj/runs/abc123", "train/lm_loss")
+    assert (c.kind, c.values) == ("wandb-online", {1: 5.0, 2: 4.5})
