@@ -3,7 +3,8 @@
 2 gloo ranks, the CPU demo config shrunk by flags: CP=2 (TP1 x CP2, DP1) against CP=1
 (TP1 x DP2), same seed, data and global batch, fp32, 4 iterations. The script must exit 0
 (curves agree at its default 1e-5 relative tolerance) and leave both runs' metrics.jsonl,
-their logs and the plot. The same two runs then go through the tool directly on other keys.
+their logs and the plot. The same two runs then go through the tool directly on other keys,
+and with the CP=2 run read from its offline wandb log instead of its metrics.jsonl.
 """
 
 import json
@@ -20,11 +21,13 @@ SCRIPT = REPO_ROOT / "scripts" / "compare_cp.sh"
 TOOL = REPO_ROOT / "tools" / "compare_loss_curves.py"
 ITERS = 4
 FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "2", "--train-iters", str(ITERS),
-         "--lr-warmup-iters", "1", "--log-interval", "1"]
+         "--lr-warmup-iters", "1", "--log-interval", "1", "--wandb-project", "cp_ext_test"]
 
 
 def run_script(out_dir, *args, timeout=900):
-    env = dict(os.environ, NPROC="2", OUT_DIR=str(out_dir), OMP_NUM_THREADS="1")
+    # offline wandb as well: each run dir then holds metrics.jsonl and wandb/offline-run-*/
+    env = dict(os.environ, NPROC="2", OUT_DIR=str(out_dir), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    env.pop("WANDB_DISABLED", None)
     return subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=REPO_ROOT)
 
@@ -89,3 +92,14 @@ def test_bad_arguments_exit_2_before_training(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "cp2" / "train.log").exists()
+
+
+def test_offline_wandb_log_of_the_cp2_run_matches_the_cp1_run(compared):
+    """Mixed inputs on real runs: CP=2 from the trainer's offline wandb log, CP=1 from metrics.jsonl."""
+    out, proc = compared
+    if proc.returncode != 0:
+        pytest.skip("the CP pair did not train (see test_cp2_matches_cp1)")
+    tool = subprocess.run([sys.executable, str(TOOL), out / "cp2" / "wandb", out / "cp1" / "metrics.jsonl"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert tool.returncode == 0, tool.stdout + tool.stderr
+    assert "[wandb-offline: " in tool.stdout and f"aligned iterations: {ITERS} (1-{ITERS})" in tool.stdout
