@@ -38,7 +38,7 @@ def launch(script, nproc, *args, timeout=900, env=None):
     run_env.setdefault("OMP_NUM_THREADS", "1")
     run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
     run_env.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=REPO_ROOT)
+    proc = run_process_group(cmd, timeout=timeout, env=run_env, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-8000:]}"
@@ -49,6 +49,24 @@ def launch(script, nproc, *args, timeout=900, env=None):
         results[int(path.stem[4:])] = json.loads(path.read_text())
     assert len(results) == nproc, f"expected results from {nproc} ranks, got {sorted(results)}:\n{proc.stderr[-4000:]}"
     return results
+
+
+def run_process_group(cmd, timeout, **kwargs):
+    """subprocess.run in a session of its own; on timeout the whole group is killed.
+
+    Killing only torchrun would orphan its ranks, which then wait forever in a collective.
+    """
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout} s\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def worker_args(argv=None):

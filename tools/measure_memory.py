@@ -25,6 +25,7 @@ exit status is 1 when that ratio exceeds ``--max-ratio`` x 1/N (default 1.15).
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,7 +134,16 @@ def run(cp, trainer_flags, ulysses_size=None, timeout=600):
            str(Path(__file__).resolve()), "--worker", "--out", str(out), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+    # A session of its own, so a timeout kills torchrun *and* its ranks (no orphans).
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+                             start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        raise RuntimeError(f"{' '.join(cmd)} did not finish within {timeout} s")
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
