@@ -62,6 +62,11 @@ def _run(name):
     nproc, flags = LAYOUTS[name]
     results = launch(__file__, nproc, *MODEL, *flags, timeout=600)
     out_dir = Path(results[0]["results_dir"])
+    if "--use-distributed-optimizer" in flags:
+        # Its reduce-scatter leaves each DP rank only its own shard of the reduced gradient
+        # (the rest of the buffer holds local partial sums), so gradients are compared through
+        # the grad norm and the losses of the following iterations.
+        return results[0], None
     full = {}
     for rank in range(nproc):
         for unit, (shape, index, values) in torch.load(out_dir / f"grads_rank{rank}.pt", weights_only=False).items():
@@ -97,6 +102,8 @@ def _assert_same(result, reference):
     for key in ("lm loss", "load balancing loss", "grad norm"):
         for it, (a, b) in enumerate(zip(run[key], ref[key])):
             assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {key} {a} vs single-process {b}"
+    if grads is None:
+        return
     assert sorted(grads) == sorted(ref_grads), "the layouts disagree on which parameters exist"
     largest = max(g.abs().max().item() for g in ref_grads.values())
     for unit, ref in ref_grads.items():
