@@ -11,6 +11,7 @@ or model exists, and reports every problem at once, each naming the flags and th
 import argparse
 import os
 import sys
+import time
 
 import yaml
 
@@ -348,4 +349,7 @@ def parse_args_or_exit(argv=None):
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain_moe.py: configuration error:\n{e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun ends every rank once one exits; give rank 0 time to print first.
+            time.sleep(5)
         sys.exit(2)
