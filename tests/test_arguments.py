@@ -86,7 +86,7 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
 
 
 # Each bundled config and the world size it is written for.
-BUNDLED = {"cpu_demo.yaml": 4, "mixtral_8x7b_32k_2x8gpu.yaml": 16}
+BUNDLED = {"cpu_demo.yaml": 4, "cpu_passkey.yaml": 2, "mixtral_8x7b_32k_2x8gpu.yaml": 16}
 
 
 def test_bundled_configs_parse():
