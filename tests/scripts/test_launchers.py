@@ -17,7 +17,7 @@ def test_torchrun_single_node_trains(tmp_path):
                            "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # any cwd works
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "training: world 2 = TP 1 x PP 1 x CP 1" in proc.stdout
+    assert "training: world 2 = TP 1 x PP 1 x CP 2 (Ulysses 1 x ring 2) x DP 1" in proc.stdout
     assert re.findall(r"^ iteration +(\d+)/ +2 \|", proc.stdout, re.M) == ["1", "2"]
     assert "training done:" in proc.stdout
     assert [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

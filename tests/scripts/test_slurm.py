@@ -73,7 +73,7 @@ def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
     # the script's own banner: CPU mode, 2 ranks, rendezvous on the node list's first host
     assert re.search(rf"cp_ext: job {job} on 1 node\(s\) \[{cluster.node}\], 2 ranks/node, rendezvous {cluster.node}:\d+, "
                      r"config configs/cpu_demo.yaml, OMP_NUM_THREADS=1 \(CPU/gloo\)", log), context
-    assert "training: world 2 = TP 1 x PP 1 x CP 1" in log, context
+    assert "training: world 2 = TP 1 x PP 1 x CP 2 (Ulysses 1 x ring 2) x DP 1" in log, context
     iterations = re.findall(r"^ iteration +(\d+)/ +3 \|.*\| lm loss: \d\.\d+E[+-]\d+ \|", log, re.M)
     assert iterations == ["1", "2", "3"], context
     assert re.search(r"^training done: lm loss [\d.]+ \(iteration 1\) -> [\d.]+ \(iteration 3\)", log, re.M), context
