@@ -64,15 +64,8 @@ def zigzag_unshard(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     differentiable (it is meant for outputs, checks and evaluation).
     """
     size = dist.get_world_size(group)
-    if x.shape[dim] % 2 != 0:
-        raise ValueError(f"a zigzag shard holds two equal chunks; local length {x.shape[dim]} is odd")
-    shards = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(shards, x.contiguous(), group=group)
-    chunks = [None] * (2 * size)
-    for r, shard in enumerate(shards):
-        a, b = zigzag_chunk_ids(r, size)
-        chunks[a], chunks[b] = shard.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
+    positions = zigzag_positions(x.shape[dim] * size, dist.get_rank(group), size, device=x.device)
+    return context_parallel_unshard(x, dim, positions, group)
 
 
 def contiguous_shard(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:

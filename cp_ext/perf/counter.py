@@ -28,9 +28,6 @@ class CommCounter:
         self.bytes.clear()
         self.calls.clear()
 
-    def snapshot(self) -> dict:
-        return {name: {"bytes": self.bytes[name], "calls": self.calls[name]} for name in sorted(self.bytes)}
-
 
 COMM_COUNTER = CommCounter()
 
