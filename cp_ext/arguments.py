@@ -300,6 +300,10 @@ def validate_args(args):
     if args.num_query_groups % tp:
         p.append(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
                  f"use at least {tp} query groups or a smaller TP size")
+    if args.make_vocab_size_divisible_by % tp:
+        p.append(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} is not a multiple of "
+                 f"--tensor-model-parallel-size {tp}; the padded vocabulary must split over TP (cp_ext pads "
+                 f"independently of TP so every grid builds the same model)")
     if args.num_attention_heads % args.num_query_groups:
         p.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
                  f"{args.num_query_groups}")

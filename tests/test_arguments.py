@@ -40,10 +40,12 @@ def _error(argv, world_size):
         (MOE + ["--moe-token-dispatcher-type", "alltoall", "--device", "cpu"], 1, ["--moe-token-dispatcher-type allgather"]),
         (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--attention-dropout 0"]),
         (["--save-interval", "5"], 1, ["--save-interval 5 needs --save"]),
+        (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "7"], 2,
+         ["--make-vocab-size-divisible-by 7", "--tensor-model-parallel-size 2"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
-         "alltoall-on-cpu", "cp-dropout", "save-interval-without-save"],
+         "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)
