@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cp_ext.attention.ring import ALL, FIRST, SECOND, step_plan  # noqa: E402
+from cp_ext.attention.ring import ALL, step_plan  # noqa: E402
 
 
 def _rows(part, s):

@@ -22,7 +22,6 @@ their reason (``--show-invalid``).
 """
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

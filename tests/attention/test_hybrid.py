@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.test_ulysses import check_bounds, measure, record_all_to_all  # noqa: E402
+from tests.attention.reference import measure  # noqa: E402
+from tests.attention.test_ulysses import check_bounds, record_all_to_all  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4

@@ -14,18 +14,16 @@ Bounds (per tensor, max over ranks):
 * fp64: ring error <= 1e-12 (checks the algebra of the merges exactly).
 """
 
-import os
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.attention.reference import TENSORS, init_four_ranks, measure  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
-TENSORS = ("out", "dq", "dk", "dv")
 FP32_ABS = 1e-5
 LOW_PREC_SLACK = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # x max|truth|, see docs/attention.md
 
@@ -55,42 +53,21 @@ CASES = _cases()
 
 # ----------------------------------------------------------------------------- worker
 def _run_case(case, groups, recorder):
-    import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from cp_ext.attention import ring_attention
-    from cp_ext.data import contiguous_shard, zigzag_shard
+    from cp_ext.data.sharding import context_parallel_positions
 
-    dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
     group = groups[case["ring"]]
     r, size = dist.get_rank(group), dist.get_world_size(group)
-    b, h = 2, 4
-    hk = 2 if case["gqa"] else h
-    s, d = case["s"], case["hd"]
-    gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
-    q, dout = (torch.randn(s, b, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(s, b, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    positions = context_parallel_positions(case["s"], ring_rank=r, ring_size=size, layout=case["layout"])
 
-    def full_sdpa(dt):  # single-process SDPA on the whole sequence, in dtype dt
-        xs = [x.to(dt).permute(1, 2, 0, 3).detach().requires_grad_() for x in (q, k, v)]
-        o = F.scaled_dot_product_attention(*xs, is_causal=case["causal"], enable_gqa=True)
-        o.backward(dout.to(dt).permute(1, 2, 0, 3))
-        return [t.permute(2, 0, 1, 3).double() for t in (o.detach(), xs[0].grad, xs[1].grad, xs[2].grad)]
+    def attn(ql, kl, vl):
+        recorder.clear()
+        return ring_attention(ql, kl, vl, causal=case["causal"], group=group, layout=case["layout"])
 
-    truth = full_sdpa(torch.float64)
-    ref = full_sdpa(dtype)
-    shard = zigzag_shard if case["layout"] == "zigzag" else contiguous_shard
-    sh = lambda x: shard(x, 0, r, size)
-    ql, kl, vl = (sh(x).to(dtype).requires_grad_() for x in (q, k, v))
-    recorder.clear()
-    out = ring_attention(ql, kl, vl, causal=case["causal"], group=group, layout=case["layout"])
-    out.backward(sh(dout).to(dtype))
-    got = [out.detach(), ql.grad, kl.grad, vl.grad]
-    res = {"max_truth": {n: t.abs().max().item() for n, t in zip(TENSORS, truth)}}
-    res["ref_err"] = {n: (a - t).abs().max().item() for n, a, t in zip(TENSORS, ref, truth)}
-    res["ring_err"] = {n: (g.double() - sh(t)).abs().max().item() for n, g, t in zip(TENSORS, got, truth)}
-    res["dtypes_ok"] = all(g.dtype == dtype for g in got)
+    res = measure({**case, "h": 4, "hk": 2 if case["gqa"] else 4, "d": case["hd"]}, attn, positions)
+    res["ring_err"] = res.pop("err")
     res["kv_heads_sent"] = sorted({shape[2] for kind, shape in recorder if kind == "post" and len(shape) == 5 and shape[0] == 2})
     return res
 
@@ -102,11 +79,7 @@ def main():
     from cp_ext.attention import kernels, ring_attention, utils
 
     args = worker_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    rank, groups = init_four_ranks()
 
     # Record the order of comm posts / waits / kernel calls (overlap) and what is sent (GQA).
     events = []

@@ -19,16 +19,15 @@ Bounds (per tensor, max over ranks), unit-variance inputs, default scale:
 """
 
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.attention.reference import TENSORS, init_four_ranks, measure  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
-TENSORS = ("out", "dq", "dk", "dv")
 FP32_ABS = 1e-5
 FP64_ABS = 1e-12
 BF16_SLACK = 0.0  # x max|truth|, on top of 2 x the single-device bf16 error
@@ -64,44 +63,6 @@ CASES = _cases()
 
 
 # ----------------------------------------------------------------------------- worker
-def measure(case, attn, positions, on_forward=None):
-    """Run ``attn(q, k, v)`` on this rank's shard (tokens ``positions``) of seeded full tensors.
-
-    Returns the max abs errors of (out, dq, dk, dv) against float64 full-sequence SDPA
-    (``err``), the single-device error in the case's dtype (``ref_err``) and max|truth|.
-    ``on_forward()`` is called between the forward and the backward. Shared with tests/attention/test_hybrid.py.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}[case["dtype"]]
-    b, h, hk, s, d = 2, case["h"], case["hk"], case["s"], case["d"]
-    gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
-    q, dout = (torch.randn(s, b, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(s, b, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
-
-    def full_sdpa(dt):  # single-process SDPA on the whole sequence, in dtype dt
-        xs = [x.to(dt).permute(1, 2, 0, 3).detach().requires_grad_() for x in (q, k, v)]
-        o = F.scaled_dot_product_attention(*xs, is_causal=case["causal"], enable_gqa=True)
-        o.backward(dout.to(dt).permute(1, 2, 0, 3))
-        return [t.permute(2, 0, 1, 3).double() for t in (o.detach(), xs[0].grad, xs[1].grad, xs[2].grad)]
-
-    truth, ref = full_sdpa(torch.float64), full_sdpa(dtype)
-    sh = lambda x: x.index_select(0, positions)  # a new tensor: this rank's tokens, in local order
-    ql, kl, vl = (sh(x).to(dtype).detach().requires_grad_() for x in (q, k, v))
-    out = attn(ql, kl, vl)
-    if on_forward is not None:
-        on_forward()
-    out.backward(sh(dout).to(dtype))
-    got = [out.detach(), ql.grad, kl.grad, vl.grad]
-    return {
-        "max_truth": {n: t.abs().max().item() for n, t in zip(TENSORS, truth)},
-        "ref_err": {n: (a - t).abs().max().item() for n, a, t in zip(TENSORS, ref, truth)},
-        "err": {n: (g.double() - sh(t)).abs().max().item() for n, g, t in zip(TENSORS, got, truth)},
-        "dtypes_ok": all(g.dtype == dtype and g.shape == x.shape for g, x in zip(got, (ql, ql, kl, vl))),
-    }
-
-
 def record_all_to_all():
     """Patch ``dist.all_to_all_single`` to log the shape of every send buffer; returns the log."""
     import torch.distributed as dist
@@ -133,18 +94,13 @@ def _errors(group):
 
 
 def main():
-    import torch
     import torch.distributed as dist
 
     from cp_ext.attention.ulysses import ulysses_attention
     from cp_ext.data.sharding import context_parallel_positions
 
     args = worker_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    rank, groups = init_four_ranks()
     sends = record_all_to_all()
 
     results = {}

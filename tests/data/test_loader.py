@@ -15,7 +15,6 @@ The worker also builds the embedded corpus (a small slice) from 4 ranks at once 
 a process group, i.e. 4 racing builders, which must all end up with one valid dataset.
 """
 
-import os
 import sys
 from pathlib import Path
 
