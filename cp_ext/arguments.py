@@ -332,6 +332,10 @@ def validate_args(args):
         p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
     p.extend(_context_parallel_problems(args))
     p.extend(_data_problems(args))
+    if args.load and not p:
+        from cp_ext.training.checkpointing import layout_problems
+
+        p.extend(layout_problems(args.load, args))
     if args.lr_warmup_iters > args.train_iters:
         p.append(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
     if args.min_lr > args.lr:

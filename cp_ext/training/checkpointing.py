@@ -8,6 +8,7 @@ layout, with Megatron's tracker file::
       latest_checkpointed_iteration.txt          "100": the last *complete* checkpoint
       iter_0000100/
         mp_rank_00_000_ep000_etp00/model_optim_rng.pt   one per (TP, PP, EP, ETP) rank
+        meta.json                                the saving run's TP, PP, EP, ETP sizes
         rng/rank_00003.pt                        every global rank's RNG states
 
 Parameters are sharded by TP, PP and EP (ETP) only; CP and DP hold replicas. So the
@@ -20,6 +21,7 @@ the directory and then replaces the tracker file (write + fsync + ``os.replace``
 kill at any moment leaves the previous checkpoint and the tracker pointing at it intact.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +34,13 @@ from megatron.core import parallel_state
 from cp_ext.training.logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
+META = "meta.json"  # the saving run's model-parallel sizes, read before anything is built
+SHARDING_FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
+}
 
 
 def _iter_dir(root, iteration):
@@ -77,6 +86,8 @@ def save_checkpoint(trainer, root):
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
         (tmp / "rng").mkdir(parents=True)
+        meta = {name: getattr(trainer.args, name) for name in SHARDING_FLAGS}
+        (tmp / META).write_text(json.dumps({"iteration": iteration, **meta}, indent=1))
     dist.barrier()
     if _is_writer():
         state = {
@@ -107,6 +118,23 @@ def latest_iteration(root):
     if not text.isdigit():
         raise RuntimeError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
     return int(text)
+
+
+def layout_problems(root, args):
+    """Why the latest checkpoint under `root` cannot load with `args` (checked at parse time)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return []
+    meta_file = _iter_dir(root, iteration) / META
+    if not meta_file.exists():
+        return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"]
+    saved = json.loads(meta_file.read_text())
+    return [
+        f"--load {root}: the checkpoint was saved with {flag} {saved[name]}, this run has {getattr(args, name)}; "
+        f"checkpoints load at any CP/DP size but need the saving run's TP, PP, EP and ETP"
+        for name, flag in SHARDING_FLAGS.items()
+        if saved[name] != getattr(args, name)
+    ]
 
 
 def load_checkpoint(trainer, root):

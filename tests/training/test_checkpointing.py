@@ -85,9 +85,16 @@ def test_kill_inside_a_save_keeps_the_last_good_checkpoint(uninterrupted, tmp_pa
     assert _losses(log_dir) == uninterrupted
 
 
-def test_checkpoint_loads_at_another_cp_size(uninterrupted, tmp_path):
+def test_checkpoint_loads_at_another_cp_size_but_not_another_tp(uninterrupted, tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "run"
     _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save, "--exit-interval", "4")
+    cmd, env = _torchrun(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--log-dir", log_dir, "--load", save)
+    wrong_tp = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    # one message from rank 0 at parse time, before any model exists (torchrun then reports the exit)
+    assert wrong_tp.returncode != 0 and "configuration error" in wrong_tp.stderr, wrong_tp.stderr[-3000:]
+    assert "RuntimeError" not in wrong_tp.stderr and "training:" not in wrong_tp.stdout
+    assert wrong_tp.stderr.count("saved with --tensor-model-parallel-size 1, this run has 2") == 1, wrong_tp.stderr
+
     _train(2, "--expert-model-parallel-size", "2", "--context-parallel-size", "2", "--log-dir", log_dir, "--load", save)
     losses = _losses(log_dir)
     for it in range(1, 9):
