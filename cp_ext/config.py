@@ -22,6 +22,11 @@ class ContextParallelTransformerConfig(TransformerConfig):
     cp_layout: str = "zigzag"
     """How the ring shards the sequence: "zigzag" (causal load balance) or "contiguous"."""
 
+    cp_aware_recompute: bool = False
+    """Under ``recompute_granularity == "full"``: keep each layer's attention output and LSE
+    from the first forward so megatron's recompute does not re-run the ring, the all-to-all
+    or the attention kernel (`cp_ext.transformer.recompute`)."""
+
 
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
     """The vocabulary padded to a multiple of ``divisible_by``, the same on every grid.
@@ -61,6 +66,13 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     return ContextParallelTransformerConfig(
         ulysses_size=args.ulysses_size,
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
+        cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
+        # activation recompute: megatron's own checkpointed forward does the work
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
+        distribute_saved_activations=args.distribute_saved_activations,
         # shape
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -16,8 +16,11 @@ megatron-core assumes                      on CPU we provide
 ``param.type() == 'torch.cuda.*Tensor'``   CPU tensors report their CUDA type name (clip_grads,
 (clip_grads, (distrib/fp16) optimizer)      the fp16/bf16 and distributed optimizers)
 CUDA RNG tracker (`fork`/`add`)            a tracker that saves/restores the CPU generator
-``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron bug: unguarded name)
-without TE)
+CUDA RNG get/set around recompute          the CPU generator's state
+(``tensor_parallel.checkpoint``)
+``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron bug: unguarded name;
+without TE)                                 fixed on GPU without TE too)
+``CheckpointWithoutOutput`` FP8 flag        forced off without TE (megatron bug; GPU too)
 ``torch.cuda.synchronize()``/streams       no-ops / the current (only) stream
 =========================================  ====================================================
 
@@ -127,12 +130,46 @@ def cuda_is_usable(device=None):
     return torch.cuda.is_available()
 
 
+def _without_transformer_engine():
+    """Two megatron-core 0.16.1 bugs met on any device when TransformerEngine is not installed.
+
+    * ``moe_utils.te_general_gemm`` is imported only with TE but read unguarded by the
+      router's GEMM (NameError at the first MoE forward); ``None`` selects its torch.mm path.
+    * ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None``, i.e. True,
+      and then calls TE's FP8GlobalStateManager: ``--recompute-modules layernorm`` fails with
+      a NameError. Without TE there is no FP8, so the flag is forced off.
+    """
+    try:
+        import transformer_engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None)
+    cls = mcore_random.CheckpointWithoutOutput
+    if not getattr(cls.__init__, "_cp_ext_no_te", False):
+        original_init = cls.__init__
+
+        def __init__(self, fp8=False):
+            original_init(self, fp8)
+            self.fp8 = False
+
+        __init__._cp_ext_no_te = True
+        _patch(cls, "__init__", __init__)
+
+
 def setup_platform(device=None):
     """Prepare megatron-core for this host. Returns the torch.device that models live on.
 
-    With CUDA (and `device` not 'cpu') nothing is changed and `cuda:LOCAL_RANK` is returned.
+    With CUDA (and `device` not 'cpu') only `_without_transformer_engine`'s two fixes apply
+    (when TE is absent), and `cuda:LOCAL_RANK` is returned.
     """
     global _ACTIVE_MODE
+    _without_transformer_engine()
     if cuda_is_usable(device):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -149,10 +186,11 @@ def setup_platform(device=None):
     _patch(torch.cuda, "empty_cache", lambda: None)
 
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        _patch(moe_utils, "te_general_gemm", None)
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the "CUDA" generator
+    # around the re-run forward: here that generator is the CPU one.
+    _patch(mcore_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    _patch(mcore_random, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     tracker_class = _make_cpu_rng_tracker_class()
     _patch(mcore_random, "CudaRNGStatesTracker", tracker_class)
     # Drop any tracker built before setup so the next getter builds a CPU one.

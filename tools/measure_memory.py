@@ -29,6 +29,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import weakref
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +48,65 @@ ATTN_HEAVY = [
 def _rss_now():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Held:
+    """What the saved-tensor hook hands autograd: the tensor, plus a finalizer when autograd drops it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class LiveSavedBytes:
+    """Bytes of the unique storages autograd holds for backward right now, and their peak.
+
+    Each saved tensor is counted while autograd keeps it (a tensor saved twice, or two views
+    of one storage, count once); the parameters' own storages are not activations. The
+    attention outputs kept by CP-aware recompute (`KeptAttention.live_bytes`) are held
+    outside autograd and are added to every sample, so under full recompute the peak is the
+    checkpointed layer inputs + kept outputs + the one layer being recomputed.
+    """
+
+    def __init__(self, excluded_ptrs):
+        self.excluded = excluded_ptrs
+        self.live = {}  # storage data_ptr -> [nbytes, references, shape, dtype]
+        self.bytes = 0
+        self.peak = 0
+        self.kept_at_peak = 0
+        self.largest = {}
+
+    def _release(self, ptr):
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[ptr]
+
+    def pack(self, tensor):
+        from cp_ext.transformer.recompute import KeptAttention
+
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr or ptr in self.excluded:
+            return tensor
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.bytes += entry[0]
+            self.largest.setdefault(ptr, (entry[0], tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
+        entry[1] += 1
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, ptr)
+        total = self.bytes + KeptAttention.live_bytes
+        if total > self.peak:
+            self.peak, self.kept_at_peak = total, KeptAttention.live_bytes
+        return held
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
 
 
 def measure(trainer_flags, world_size):
@@ -68,21 +129,15 @@ def measure(trainer_flags, world_size):
         param_ptrs.add(p.untyped_storage().data_ptr())
         if getattr(p, "main_grad", None) is not None:
             param_ptrs.add(p.main_grad.untyped_storage().data_ptr())
-    saved = {}  # storage data_ptr -> (nbytes, shape, dtype) of the first tensor saved from it
-
-    def pack(t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr and ptr not in param_ptrs and ptr not in saved:
-            saved[ptr] = (st.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        return t
-
+    saved = LiveSavedBytes(param_ptrs)
     on_cuda = trainer.device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before = _rss_now()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    start = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         metrics = trainer.train_step()
+    seconds = time.perf_counter() - start
     peak = memory_bytes()
     import torch.distributed as dist
 
@@ -96,13 +151,19 @@ def measure(trainer_flags, world_size):
         "tp": args.tensor_model_parallel_size,
         "cp_rank": mpu.get_context_parallel_rank(),
         "tokens": int(trainer.cp_positions.numel()),
-        "activation_bytes": sum(v[0] for v in saved.values()),
-        "saved_storages": len(saved),
+        "seq_length": args.seq_length,
+        "padded_vocab": args.padded_vocab_size,
+        "recompute": args.recompute_granularity,
+        "cp_aware_recompute": trainer.config.cp_aware_recompute,
+        "activation_bytes": saved.peak,
+        "kept_attention_bytes": saved.kept_at_peak,
+        "saved_storages": len(saved.largest),
         "peak_bytes": int(peak),
         "peak_kind": "cuda max_memory_allocated" if on_cuda else "peak RSS",
         "rss_growth_bytes": None if on_cuda else max(0, int(peak) - rss_before),
+        "iteration_seconds": seconds,
         "lm_loss": metrics["lm loss"],
-        "largest": sorted(([n, list(s), dt] for n, s, dt in saved.values()), reverse=True)[:int(os.environ.get("CP_EXT_MEASURE_TOP", "12"))],
+        "largest": sorted(([n, list(s), dt] for n, s, dt in saved.largest.values()), reverse=True)[:int(os.environ.get("CP_EXT_MEASURE_TOP", "12"))],
     }
     trainer.shutdown()
     del cp_state
@@ -160,8 +221,81 @@ def compare(cp, trainer_flags, ulysses_size=None):
     return base, split, ratio
 
 
+# Recompute modes by name: the trainer flags each adds.
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+MODES = {"none": [], "full": FULL + ["--no-cp-aware-recompute"], "full-cp-aware": FULL}
+PLANNER_MODE = {"none": None, "full": "full", "full-cp-aware": "full_cp_aware"}
+
+
+def planner_estimate(record, trainer_flags, mode):
+    """The planner's per-rank activation bytes (`cp_ext.perf.memory`) for a measured run."""
+    from cp_ext.arguments import parse_args
+    from cp_ext.perf.memory import ModelShape, activation_bytes
+
+    a = parse_args(list(trainer_flags) + ["--context-parallel-size", str(record["cp"]), "--seq-length",
+                                          str(record["seq_length"])], world_size=record["cp"])
+    shape = ModelShape(layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
+                       kv_heads=a.num_query_groups, ffn=a.ffn_hidden_size, vocab=record["padded_vocab"],
+                       experts=a.num_experts or 0, topk=a.moe_router_topk, moe_ffn=a.moe_ffn_hidden_size,
+                       swiglu=a.swiglu, tied_embeddings=not a.untie_embeddings_and_output_weights)
+    return activation_bytes(shape, s=a.seq_length, b=a.micro_batch_size, tp=a.tensor_model_parallel_size,
+                            cp=a.context_parallel_size, dtype="bf16" if a.bf16 else "fp32",
+                            recompute=PLANNER_MODE[mode], sequence_parallel=a.sequence_parallel)["total"]
+
+
 def _mib(n):
     return f"{n / 2**20:10.2f} MiB"
+
+
+def _with_seq_length(flags, seq):
+    if seq is None:
+        return list(flags)
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+            continue
+        if f == "--seq-length":
+            skip = True
+            continue
+        out.append(f)
+    return out + ["--seq-length", str(seq)]
+
+
+def table(cp, flags, modes, seq_lengths, ulysses_size=None, max_ratio=1.15, planner_tolerance=None, verbose=False):
+    """Measure every (sequence length, mode) at CP=1 and CP=cp; print a table; return (rows, ok)."""
+    rows, ok = [], True
+    print(f"config: {' '.join(flags)}")
+    print(f"{'seq':>7s} {'recompute':>14s} | {'CP=1 act':>12s} {'planner':>12s} | {'CP=' + str(cp) + ' act/rank':>14s} "
+          f"{'planner':>12s} | {'ratio x N':>9s} | {'CP=1 RSS':>12s} {'CP=' + str(cp) + ' RSS':>12s} | "
+          f"{'CP=1 s/it':>9s} {'CP=' + str(cp) + ' s/it':>9s}")
+    for seq in seq_lengths:
+        for mode in modes:
+            mode_flags = _with_seq_length(flags, seq) + MODES[mode]
+            base, split, ratio = compare(cp, mode_flags, ulysses_size)
+            worst = max(split, key=lambda r: r["activation_bytes"])
+            est1, estn = planner_estimate(base[0], mode_flags, mode), planner_estimate(worst, mode_flags, mode)
+            row = {"seq_length": base[0]["seq_length"], "mode": mode, "cp1": base[0], "cpN": split, "ratio": ratio,
+                   "planner_cp1": est1, "planner_cpN": estn}
+            rows.append(row)
+            ok &= ratio <= max_ratio / cp
+            off = max(abs(est1 / base[0]["activation_bytes"] - 1), abs(estn / worst["activation_bytes"] - 1))
+            row["planner_error"] = off
+            if planner_tolerance is not None:
+                ok &= off <= planner_tolerance
+            print(f"{row['seq_length']:>7d} {mode:>14s} | {_mib(base[0]['activation_bytes'])} {_mib(est1)} | "
+                  f"{_mib(worst['activation_bytes']):>14s} {_mib(estn)} | {ratio * cp:9.3f} | "
+                  f"{_mib(base[0]['peak_bytes'])} {_mib(max(r['peak_bytes'] for r in split))} | "
+                  f"{base[0]['iteration_seconds']:9.2f} {max(r['iteration_seconds'] for r in split):9.2f}", flush=True)
+            if verbose:
+                for r in base + split:
+                    print(f"    CP={r['cp']} rank {r['rank']}: kept attention {_mib(r['kept_attention_bytes'])}")
+                    for n, shape, dt in r["largest"]:
+                        print(f"           {n:>12d} B {dt:8s} {shape}")
+    print(f"ratio x N: per-rank activation bytes at CP={cp} over CP=1, times {cp} (1.00 = a perfect split; "
+          f"bound {max_ratio}){'' if planner_tolerance is None else f'; planner within {planner_tolerance:.0%}'}: "
+          f"{'OK' if ok else 'EXCEEDED'}")
+    return rows, ok
 
 
 def main(argv=None):
@@ -172,12 +306,24 @@ def main(argv=None):
     p.add_argument("--cp", type=int, default=2, help="N: the CP size compared with CP=1 (N ranks)")
     p.add_argument("--ulysses-size", type=int, default=None, help="U for the CP=N run (default 1: ring)")
     p.add_argument("--max-ratio", type=float, default=1.15, help="fail when ratio > this / N")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=None,
+                   help="recompute modes to measure side by side (none; full = Megatron's plain full recompute; "
+                        "full-cp-aware = full keeping attention out + LSE); default: the trainer flags as given")
+    p.add_argument("--seq-lengths", nargs="+", type=int, default=None, help="measure each (overrides --seq-length)")
+    p.add_argument("--planner-tolerance", type=float, default=None,
+                   help="with --modes: also fail when the planner's estimate is off by more than this (e.g. 0.15)")
     p.add_argument("--json", default=None, help="also write all records here")
     p.add_argument("--verbose", action="store_true", help="print each rank's largest saved storages")
     p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
                    help="after --: trainer flags (default: the attention-heavy preset)")
     args = p.parse_args(argv)
     flags = [f for f in args.trainer_flags if f != "--"] or ATTN_HEAVY
+    if args.modes or args.seq_lengths:
+        rows, ok = table(args.cp, flags, args.modes or ["none"], args.seq_lengths or [None], args.ulysses_size,
+                         args.max_ratio, args.planner_tolerance, args.verbose)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0 if ok else 1
     base, split, ratio = compare(args.cp, flags, args.ulysses_size)
     print(f"config: {' '.join(flags)}")
     print(f"{'run':>8s} {'rank':>4s} {'tokens':>7s} {'activations saved':>18s} {'peak (' + base[0]['peak_kind'] + ')':>26s} {'RSS growth':>15s}")

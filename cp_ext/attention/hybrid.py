@@ -26,8 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.ring import RingAttnFunc, ring_attention
-from cp_ext.attention.ulysses import ulysses_attention, ulysses_exchange
+from cp_ext.attention.kernels import get_kernel
+from cp_ext.attention.ring import RingAttnFunc, ring_attn_backward, ring_attn_forward, ring_attention
+from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads, ulysses_attention, ulysses_exchange
 from cp_ext.data.sharding import LAYOUTS
 
 
@@ -90,3 +91,63 @@ def context_parallel_attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
         ulysses_group=parallel_state.get_ulysses_group(), ring_group=parallel_state.get_ring_group(),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The same algorithm as two plain functions (no autograd), for callers that keep the forward's
+# output and LSE and run the backward later themselves: CP-aware activation recompute
+# (`cp_ext.transformer.recompute`). Ulysses x ring with U = 1 is the ring, R = 1 Ulysses, and
+# U = R = 1 a single local kernel call, so one pair covers every CP size, CP = 1 included.
+
+
+def _to_heads(x: torch.Tensor, group, rep: int = 1) -> torch.Tensor:
+    """[s, b, h, d] sequence piece -> kernel layout [b, h*rep/U, U*s, d] (this rank's heads)."""
+    if rep > 1:
+        x = x.repeat_interleave(rep, dim=2)
+    return seq_to_heads(x, group).permute(1, 2, 0, 3)
+
+
+def _from_heads(x: torch.Tensor, group) -> torch.Tensor:
+    return heads_to_seq(x.permute(2, 0, 1, 3), group)
+
+
+def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None):
+    """`hybrid_attention`'s forward on [s, b, h, d] shards, returning ``(out, lse)``.
+
+    ``out`` is the local output shard [s, b, h, d]; ``lse`` the fp32 log-sum-exp of this
+    rank's heads over the whole sequence, [b, h/U, U*s] (what the backward needs besides q, k, v).
+    """
+    with torch.no_grad():
+        kernel = get_kernel(q.device, q.dtype, kernel)
+        rep = kv_replicas(q.shape[2], k.shape[2], dist.get_world_size(ulysses_group))
+        qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)
+        if dist.get_world_size(ring_group) == 1:
+            out, lse = kernel.forward(qh, kh, vh, causal=causal, scale=softmax_scale)
+        else:
+            out, lse = ring_attn_forward(qh, kh, vh, softmax_scale=softmax_scale, causal=causal, group=ring_group,
+                                         layout=layout, kernel=kernel)
+        return _from_heads(out, ulysses_group), lse
+
+
+def cp_attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, ulysses_group, ring_group,
+                          layout="zigzag", kernel=None):
+    """dq, dk, dv of `cp_attention_forward` from its (out, lse); all tensors [s, b, h, d] shards.
+
+    With U > 1 the head layout of q, k, v, out and dout is rebuilt here by all-to-all (the forward's
+    exchange, run once more); the ring moves K/V and dK/dV exactly as `ring_attn_backward` does.
+    """
+    with torch.no_grad():
+        kernel = get_kernel(q.device, q.dtype, kernel)
+        hk = k.shape[2]
+        rep = kv_replicas(q.shape[2], hk, dist.get_world_size(ulysses_group))
+        qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)
+        outh, douth = _to_heads(out, ulysses_group), _to_heads(dout, ulysses_group)
+        if dist.get_world_size(ring_group) == 1:
+            dq, dk, dv = kernel.backward(douth, qh, kh, vh, outh, lse, causal=causal, scale=softmax_scale)
+        else:
+            dq, dk, dv = ring_attn_backward(douth, qh, kh, vh, outh, lse, softmax_scale=softmax_scale, causal=causal,
+                                            group=ring_group, layout=layout, kernel=kernel)
+        dq, dk, dv = (_from_heads(g.to(t.dtype), ulysses_group) for g, t in ((dq, q), (dk, k), (dv, v)))
+        if rep > 1:  # the replicas' gradients sum back onto their KV head
+            dk, dv = (g.unflatten(2, (hk, rep)).sum(3) for g in (dk, dv))
+        return dq, dk, dv

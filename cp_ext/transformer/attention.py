@@ -11,6 +11,10 @@ attention stops being local: q, k, v hold this rank's tokens (see
 `cp_ext.parallel_state.get_context_parallel_positions`), and the ring / Ulysses / hybrid
 algorithm of `cp_ext.attention` picked by the CP sub-group sizes exchanges them, so the
 result equals attention over the whole sequence.
+
+Under ``--recompute-granularity full`` with CP-aware recompute (the default there), the
+attention of a checkpointed layer is computed once: `cp_ext.transformer.recompute` keeps its
+output and LSE for the recompute instead of re-running the ring.
 """
 
 from typing import Optional
@@ -23,6 +27,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cp_ext.transformer.recompute import KeptAttention
 
 
 class CoreAttention(MegatronModule):
@@ -45,6 +51,8 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
+        # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).
+        self.kept = KeptAttention() if getattr(config, "cp_aware_recompute", False) else None
 
     def forward(
         self,
@@ -63,6 +71,16 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
+        if self.kept is not None and self.training:
+            from cp_ext import parallel_state as cp_state
+
+            out = self.kept.forward(
+                query, key, value, causal=causal, layout=self.cp_layout,
+                softmax_scale=head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale),
+                ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
+            )
+            if out is not None:
+                return out.reshape(seq, batch, heads * head_dim)
         if parallel_state.get_context_parallel_world_size() > 1:
             from cp_ext.attention.hybrid import context_parallel_attention
 

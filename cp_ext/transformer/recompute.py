@@ -1,0 +1,85 @@
+"""CP-aware full recompute: keep each layer's attention output and LSE, never re-run the ring.
+
+``--recompute-granularity full`` makes megatron checkpoint whole layers
+(`TransformerBlock._checkpointed_forward` -> `tensor_parallel.checkpoint`): the first forward
+runs under ``no_grad`` and keeps only the layer input; the backward re-runs the layer's forward
+with grad enabled and backpropagates through it. Under context parallelism that re-run would send
+every KV block around the ring again and recompute every attention tile. But attention's
+backward needs only q, k, v (cheap to recompute: projections and RoPE), the output and the
+log-sum-exp, so the first forward keeps (out, LSE), s/C x b x h x d + s/C x b x h floats per
+rank, and the recompute replays them (LoongTrain's "selective checkpoint++")::
+
+    first forward  (is_checkpointing, no grad)   out, lse = cp_attention_forward(q, k, v)
+                                                 kept.append((out, lse))      -> out
+    recompute      (is_checkpointing, grad on)   out, lse = kept.popleft()
+                                                 ReplayAttention(q, k, v; out, lse) -> out
+    backward       (ReplayAttention.backward)    cp_attention_backward(dout, q, k, v, out, lse)
+
+Nothing travels the ring in the recompute; the backward is the ring/Ulysses/hybrid backward
+unchanged, so the ring bytes of an iteration equal those without recompute. Layers outside a
+checkpoint (``--recompute-method block``) run the normal path.
+
+One FIFO per attention module is enough: megatron recomputes the microbatches of a step in the
+order it ran their forwards (one at a time without PP; 1F1B's backwards are FIFO too), and each
+layer's recompute happens exactly once, in that microbatch's backward.
+"""
+
+from collections import deque
+
+import torch
+from megatron.core.tensor_parallel.random import is_checkpointing
+
+from cp_ext.attention.hybrid import cp_attention_backward, cp_attention_forward
+
+
+class ReplayAttention(torch.autograd.Function):
+    """Returns the kept output of the first forward; its backward is the CP attention backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, attn_kwargs):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.attn_kwargs = attn_kwargs
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = cp_attention_backward(dout, q, k, v, out, lse, **ctx.attn_kwargs)
+        return dq, dk, dv, None, None, None
+
+
+class KeptAttention:
+    """The (out, LSE) pairs one attention module kept for the recompute of its layer, oldest first."""
+
+    live_bytes = 0
+    """Bytes kept by every instance in this process (read by tools/measure_memory.py)."""
+
+    def __init__(self):
+        self._kept = deque()
+
+    def __len__(self):
+        return len(self._kept)
+
+    def forward(self, q, k, v, **attn_kwargs):
+        """Attention over the CP groups; inside megatron's checkpoint, keep or replay its output."""
+        if not is_checkpointing():
+            return None  # not a checkpointed layer: the caller's normal (autograd) path
+        if not torch.is_grad_enabled():  # the first forward of a checkpointed layer
+            out, lse = cp_attention_forward(q, k, v, **attn_kwargs)
+            self._kept.append((out, lse))
+            KeptAttention.live_bytes += out.nbytes + lse.nbytes
+            return out
+        if not self._kept:
+            raise RuntimeError("CP-aware recompute: a layer is recomputed whose first forward kept no attention "
+                               "output (recompute out of order); run with --no-cp-aware-recompute and report this")
+        out, lse = self._kept.popleft()
+        KeptAttention.live_bytes -= out.nbytes + lse.nbytes
+        if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
+            raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
+                               f"recomputed query {tuple(q.shape)}")
+        return ReplayAttention.apply(q, k, v, out, lse, attn_kwargs)
+
+    def clear(self):
+        while self._kept:
+            out, lse = self._kept.popleft()
+            KeptAttention.live_bytes -= out.nbytes + lse.nbytes
