@@ -14,7 +14,9 @@ For every TP (within a node, dividing the heads), PP (dividing the layers), CP (
 by 2 CP) with DP = GPUs / (TP PP CP) dividing the global batch, it folds EP (the largest
 EP dividing both the experts and DP x CP, as megatron-core does) and picks the Ulysses size U
 (U | CP, U | heads/TP, TP x U within a node), estimates per-rank memory with the distributed
-optimizer, without and then with full recompute, and the communication per layer. Layouts
+optimizer, without and then with full recompute (cp_ext's CP-aware full recompute, which
+keeps each layer's attention output and LSE: `--recompute-granularity full --recompute-method
+uniform --recompute-num-layers 1`), and the communication per layer. Layouts
 that fit are ranked: no recompute first, then the least estimated communication time
 (per-layer bytes over NVLink or the inter-node network, x layers per stage x microbatches),
 then the smallest pipeline bubble. Layouts that do not fit or are invalid are listed with
@@ -38,7 +40,7 @@ class Plan:
     grid: Grid
     valid: bool
     reason: str
-    recompute: bool = False
+    recompute: Optional[str] = None  # None or "full_cp_aware" (cp_ext's full recompute)
     memory: dict = field(default_factory=dict)
     comm_per_layer: dict = field(default_factory=dict)
     comm_seconds: float = 0.0
@@ -80,7 +82,7 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
                 g = _fold(m, g, gpus_per_node)
                 micro = global_batch // (dp * micro_batch)
                 best = None
-                for recompute in (False, True):
+                for recompute in (None, "full_cp_aware"):
                     mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
                                       recompute=recompute, microbatches=micro)
                     best = (recompute, mem)
@@ -95,7 +97,7 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
                        + (", needs full recompute" if recompute else "")
                        if fits else f"does not fit: {mem['total'] / GiB:.1f} GiB > {budget / GiB:.1f} GiB even with full recompute")
                 plans.append(Plan(g, fits, why, recompute, mem, per_layer, secs, bubble))
-    valid = sorted((p for p in plans if p.valid), key=lambda p: (p.recompute, round(p.comm_seconds * (1 + p.bubble), 6), p.grid.pp))
+    valid = sorted((p for p in plans if p.valid), key=lambda p: (p.recompute is not None, round(p.comm_seconds * (1 + p.bubble), 6), p.grid.pp))
     return valid + [p for p in plans if not p.valid]
 
 

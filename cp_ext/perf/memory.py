@@ -31,7 +31,9 @@ the 5as/h term (the s x s softmax and its dropout mask) gone under flash attenti
 dropout masks gone at dropout 0; `korthikanti_layer_bytes` gives the paper's figure for
 reference. Sequence parallelism divides everything by t, CP divides the tokens by c. With full
 recompute only each layer's input (h per token, /t with SP) stays, plus one layer's full
-activations while it is recomputed. Under 1F1B the first pipeline stage holds p microbatches
+activations while it is recomputed; CP-aware full recompute (cp_ext's default) also keeps each
+layer's attention output and LSE (h + a fp32 per token, /t). Measured with tools/measure_memory.py
+--modes none full full-cp-aware. Under 1F1B the first pipeline stage holds p microbatches
 of L/p layers, i.e. L layers' worth.
 
 Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequence
@@ -130,10 +132,22 @@ def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = Tru
     return s * b * m.hidden * (34 + (0 if flash else 5 * m.heads * s / m.hidden))
 
 
+RECOMPUTE_MODES = (None, "full", "full_cp_aware")
+
+
 def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
-                     dtype: str = "bf16", recompute: bool = False, sequence_parallel: bool = True,
+                     dtype: str = "bf16", recompute=None, sequence_parallel: bool = True,
                      microbatches_in_flight: Optional[int] = None) -> Dict[str, float]:
-    """Per-rank activation bytes of one training step (first pipeline stage, the largest)."""
+    """Per-rank activation bytes of one training step (first pipeline stage, the largest).
+
+    ``recompute``: None (keep everything), ``"full"`` (megatron's full recompute, one layer per
+    checkpoint) or ``"full_cp_aware"`` (full, keeping each layer's attention output and LSE:
+    cp_ext's default under full recompute). ``True`` means ``"full_cp_aware"``.
+    """
+    if recompute is True:
+        recompute = "full_cp_aware"
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     e = 4 if dtype == "fp32" else 2
     tokens = s * b / cp
     per_layer = layer_activation_elems(m, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
@@ -141,13 +155,22 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     stage_layers = m.layers // pp
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
     sp = tp if sequence_parallel else 1
-    if recompute:
-        layers_bytes = stage_layers * in_flight * tokens * m.hidden * e / sp + layer_bytes
-    else:
-        layers_bytes = stage_layers * in_flight * layer_bytes
     # outside the layers: embedding output, final norm in/out (3h), logits (V / t), tokens
     vocab_part = tokens * (3 * m.hidden / sp * e + m.vocab / tp * 4 + 4)
-    return {"layers": layers_bytes, "embedding+logits": vocab_part, "total": layers_bytes + vocab_part}
+    if recompute is None:
+        layers_bytes = stage_layers * in_flight * layer_bytes
+        return {"layers": layers_bytes, "embedding+logits": vocab_part, "total": layers_bytes + vocab_part}
+    # Full recompute keeps each layer's input (the checkpoint) and, CP-aware, its attention
+    # output (h / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
+    # one layer at a time, while that layer is recomputed in backward; by then the logits'
+    # activations are freed, so the peak is the larger of the two working sets. The recomputed
+    # layer's input is the checkpoint itself (same storage), and with CP-aware recompute its
+    # attention output and LSE are the kept ones: hence the subtractions.
+    layer_input = tokens * m.hidden * e / sp
+    kept = tokens * (m.hidden * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
+    held = stage_layers * in_flight * (layer_input + kept)
+    working = max(layer_bytes - layer_input - kept, vocab_part)
+    return {"layers": held + layer_bytes - layer_input - kept, "embedding+logits": vocab_part, "total": held + working}
 
 
 def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, dtype: str = "bf16",
@@ -197,7 +220,7 @@ def weight_bytes(m: ModelShape, grid: Grid, *, dtype: str = "bf16", distributed_
 
 
 def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
-                recompute: bool = False, microbatches: int = 1) -> Dict[str, float]:
+                recompute=None, microbatches: int = 1) -> Dict[str, float]:
     """The per-rank estimate: weights, grads, optimizer, activations, attention state and total bytes."""
     w = weight_bytes(m, grid, dtype=dtype, distributed_optimizer=distributed_optimizer)
     act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,

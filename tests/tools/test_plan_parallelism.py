@@ -67,9 +67,19 @@ def test_activation_formula_by_hand_and_scaling():
     assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 384 * 4 + 4)
     a2 = activation_bytes(m, s=4096, cp=2, dtype="fp32")
     assert a2["total"] / a1["total"] <= 1.15 / 2
-    # full recompute keeps only the layer inputs (+ one layer's working set)
-    r = activation_bytes(m, s=4096, dtype="fp32", recompute=True)
-    assert r["layers"] == 2 * 4096 * 64 * 4 + 4096 * per_layer
+    # full recompute keeps only the layer inputs, plus the larger of one layer's working set
+    # (its input is the checkpoint itself) and the logits' activations
+    plain = activation_bytes(m, s=4096, dtype="fp32", recompute="full")
+    inputs = 2 * 4096 * 64 * 4
+    assert plain["total"] == inputs + max(4096 * per_layer - 4096 * 64 * 4, a1["embedding+logits"])
+    # CP-aware full recompute also keeps each layer's attention output (h) and LSE (a, fp32); the
+    # layer being recomputed uses its kept ones (they are part of its working set)
+    aware = activation_bytes(m, s=4096, dtype="fp32", recompute="full_cp_aware")
+    kept = 4096 * (64 * 4 + 4 * 4)
+    assert aware["total"] - plain["total"] == 2 * kept - kept
+    assert activation_bytes(m, s=4096, dtype="fp32", recompute=True) == aware
+    with pytest.raises(ValueError):
+        activation_bytes(m, s=4096, recompute="selective")
 
 
 def test_comm_formulas_by_hand():
@@ -105,8 +115,8 @@ def test_small_model_layouts_ranked_and_invalid_excluded_with_reason():
     assert "PP 4 does not divide the 6 layers" in invalid[(1, 4, 1)]
     assert "global batch 6 is not divisible by DP 4" in invalid[(1, 1, 2)]
     # no-recompute layouts come before those needing recompute; then by estimated comm time
-    flags = [p.recompute for p in valid]
-    assert flags == sorted(flags)
+    flags = [p.recompute is not None for p in valid]
+    assert flags == sorted(flags) and set(p.recompute for p in valid) <= {None, "full_cp_aware"}
     for p in valid:
         g = p.grid
         assert g.tp * g.pp * g.cp * g.dp == 8 and g.cp % g.ulysses == 0 and (12 // g.tp) % g.ulysses == 0
