@@ -23,6 +23,7 @@ against `tools/measure_memory.py` (saved-tensor hooks):
     core    : attention output h, its [s, b, h] copy (linear_proj input) h, LSE a (fp32)   /t
               + h with CP > 1 (the CP function keeps its output apart from linear_proj's copy)
     MLP     : fc1 output 2f, SwiGLU intermediates 3f             /t   (dense; f -> top-k x f_e for MoE)
+    MoE     : router logits E; per routed copy the permuted input h and one more f_e   /t
     RoPE    : 4 d (cos/sin per rotary call)
 
 This is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
@@ -122,7 +123,10 @@ def layer_activation_elems(m: ModelShape, *, tp: int = 1, cp: int = 1, sequence_
     act += (2 * h + (h if cp > 1 else 0)) / tp  # attention output, linear_proj input (+ CP output)
     act += mlp / tp + 4 * d
     if m.experts:
-        act += m.experts / sp  # router logits
+        # router logits; each of the top-k routed copies of a token also keeps its permuted
+        # input (h) and one more expert-FFN intermediate (megatron's SequentialMLP experts,
+        # measured: tools/measure_memory.py --verbose on a 4-expert top-2 model)
+        act += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
     fp32 = 2 / sp + a / tp  # rstd x 2, LSE
     return {"act": act, "fp32": fp32}
 

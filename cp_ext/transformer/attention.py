@@ -52,7 +52,7 @@ class CoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
         # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).
-        self.kept = KeptAttention() if getattr(config, "cp_aware_recompute", False) else None
+        self.kept = KeptAttention()
 
     def forward(
         self,
@@ -71,7 +71,7 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
-        if self.kept is not None and self.training:
+        if getattr(self.config, "cp_aware_recompute", False) and self.training:
             from cp_ext import parallel_state as cp_state
 
             out = self.kept.forward(

@@ -129,7 +129,7 @@ def _run_mode(base_flags, mode_flags):
         for key in ("lm loss", "load balancing loss", "grad norm"):
             record[key].append(metrics.get(key, 0.0))
     kept = [m.kept for m in trainer.model[0].modules() if getattr(m, "kept", None) is not None]
-    assert all(len(k) == 0 for k in kept), "CP-aware recompute left kept attention outputs behind"
+    assert kept and all(len(k) == 0 for k in kept), "CP-aware recompute left kept attention outputs behind"
     cp_state.destroy_context_parallel()
     parallel_state.destroy_model_parallel()
     return record, grads
