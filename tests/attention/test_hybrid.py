@@ -66,6 +66,19 @@ def _cases():
     ]
     for U in (1, 2, 4):
         cases.append(_case(U, 4 // U, "zigzag", True, 2, s=40, via="cpattn"))
+    # The keep-and-replay pair of CP-aware recompute (cp_attention_forward, then its backward
+    # through ReplayAttention), on every group shape: the forward's out and LSE must carry the
+    # whole backward, KV replicas (hk < U) included.
+    cases += [
+        _case(2, 2, "zigzag", True, 1, s=40, via="kept"),
+        _case(2, 2, "contiguous", False, 2, s=24, via="kept"),
+        _case(4, 1, "zigzag", True, 1, s=40, via="kept"),
+        _case(4, 1, "zigzag", False, 2, s=24, via="kept"),
+        _case(1, 4, "zigzag", True, 2, s=40, via="kept"),
+        _case(1, 4, "contiguous", True, 1, s=24, via="kept"),
+        _case(2, 2, "zigzag", True, 2, s=40, dtype="bf16", via="kept"),
+        _case(2, 2, "zigzag", True, 2, s=24, dtype="fp64", via="kept"),
+    ]
     return cases
 
 
@@ -91,12 +104,27 @@ def _run(case, ulysses_group, ring_group, sends, posts):
         attn = lambda q, k, v: hybrid_attention(
             q, k, v, causal=case["causal"], ulysses_group=ulysses_group, ring_group=ring_group, layout=case["layout"]
         )
+    if case["via"] == "kept":
+        attn = lambda q, k, v: _kept_and_replayed(q, k, v, case, ulysses_group, ring_group)
     sends.clear()
     posts.clear()
     counts = {}
     res = measure(case, attn, pos, on_forward=lambda: counts.update(a2a=len(sends), ring_posts=len(posts)))
     res.update(fwd_all_to_all=counts["a2a"], fwd_ring_posts=counts["ring_posts"])
     return res
+
+
+def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
+    """What CP-aware recompute does: the forward once (no autograd), then the replay whose
+    backward is `cp_attention_backward` on the kept out and LSE."""
+    from cp_ext.attention.hybrid import cp_attention_forward
+    from cp_ext.transformer.recompute import ReplayAttention
+
+    kwargs = dict(causal=case["causal"], softmax_scale=q.shape[-1] ** -0.5, ulysses_group=ulysses_group,
+                  ring_group=ring_group, layout=case["layout"])
+    out, lse = cp_attention_forward(q, k, v, **kwargs)
+    assert not out.requires_grad and lse.shape == (q.shape[1], q.shape[2] // case["U"], q.shape[0] * case["U"])
+    return ReplayAttention.apply(q, k, v, out, lse, kwargs)
 
 
 def _errors(ulysses_group, ring_group):
@@ -147,7 +175,7 @@ def main():
 
     results = {}
     for case in CASES:
-        if case["via"] == "hybrid":
+        if case["via"] in ("hybrid", "kept"):
             results[case["name"]] = _run(case, *groups[(case["U"], case["R"])], sends, posts)
     results["errors"] = _errors(*groups[(2, 2)])
     for case in CASES:  # the model's entry point, on megatron's CP group

@@ -1,6 +1,6 @@
-"""tools/measure_memory.py: the Trainer's saved-for-backward bytes at CP=1 and CP=2 on an
-attention-heavy CPU config, the per-rank ratio bound, and the planner's estimate of the same
-config within 15%."""
+"""tools/measure_memory.py: the Trainer's peak saved-for-backward bytes at CP=1 and CP=2 on an
+attention-heavy CPU config, without recompute and with full recompute (plain and CP-aware):
+the per-rank ratio bound, and the planner's estimate of the same config within 15%."""
 
 import sys
 from pathlib import Path
@@ -41,3 +41,27 @@ def test_planner_estimate_within_15_percent(measured):
         est = activation_bytes(SHAPE, s=2048, cp=cp, dtype="fp32")["total"]
         for r in recs:
             assert abs(est - r["activation_bytes"]) <= 0.15 * r["activation_bytes"], (cp, est, r["activation_bytes"])
+
+
+@pytest.fixture(scope="module")
+def measured_recompute():
+    """CP=1 and CP=2 under Megatron's plain full recompute and cp_ext's CP-aware one."""
+    return {mode: measure_memory.compare(2, FLAGS + measure_memory.MODES[mode]) for mode in ("full", "full-cp-aware")}
+
+
+def test_recompute_per_rank_activations_split_and_match_the_planner(measured, measured_recompute):
+    none_cp1 = measured[0][0]["activation_bytes"]
+    kept = {}
+    for mode, (base, split, ratio) in measured_recompute.items():
+        assert ratio <= 1.15 / 2, (mode, ratio)
+        # full recompute keeps far less than the run without it
+        assert base[0]["activation_bytes"] < 0.7 * none_cp1, (mode, base[0]["activation_bytes"], none_cp1)
+        assert all(r["recompute"] == "full" for r in base + split)
+        for cp, recs in ((1, base), (2, split)):
+            for r in recs:
+                est = measure_memory.planner_estimate(r, FLAGS + measure_memory.MODES[mode], mode)
+                assert abs(est - r["activation_bytes"]) <= 0.15 * r["activation_bytes"], (mode, cp, est, r)
+        kept[mode] = base[0]["kept_attention_bytes"]
+    # CP-aware keeps attention outputs (and only then); plain keeps none
+    assert kept["full"] == 0 and kept["full-cp-aware"] > 0
+    assert measured_recompute["full-cp-aware"][0][0]["cp_aware_recompute"] is True
