@@ -5,21 +5,28 @@ For one config (trainer flags, as `pretrain_moe.py` takes them) this launches th
 ``--context-parallel-size 1`` and once on N ranks with ``--context-parallel-size N``
 (everything else the same), runs one iteration and reports per rank:
 
-* activation bytes: the sum of the *unique storages* autograd saves for backward during the
-  forward (`torch.autograd.graph.saved_tensors_hooks`), excluding the parameters' own
-  storages (weights saved by linear layers are not activations);
+* activation bytes: the peak, over the iteration, of the *unique storages* autograd holds
+  for backward (`torch.autograd.graph.saved_tensors_hooks`; a storage counts from the moment
+  it is saved until autograd drops it), excluding the parameters' own storages (weights saved
+  by linear layers are not activations), plus the attention outputs that CP-aware recompute
+  keeps outside autograd. Without recompute the peak is at the end of the forward; with full
+  recompute it is the checkpointed layer inputs (+ kept outputs) and one recomputed layer;
 * peak memory: the CUDA allocator's peak on GPU, peak RSS on CPU (`cp_ext.platform.memory_bytes`),
   and on CPU the RSS growth over the iteration (peak RSS minus RSS before it).
 
 Keep PP = 1 and one microbatch per iteration (the default global batch), so the whole
-forward is alive at once and the sum is the activation footprint.
+forward is alive at once.
 
     python tools/measure_memory.py --cp 2                      # the attention-heavy preset
     python tools/measure_memory.py --cp 2 --ulysses-size 2     # same, Ulysses
     python tools/measure_memory.py --cp 2 -- --config configs/cpu_demo.yaml --tensor-model-parallel-size 1 ...
+    python tools/measure_memory.py --cp 4 --modes none full full-cp-aware --seq-lengths 16384 32768 \
+        --planner-tolerance 0.15 -- <trainer flags>          # recompute modes side by side, with the planner
 
-Prints one line per rank and the ratio (per-rank activation bytes at CP=N) / (CP=1); the
-exit status is 1 when that ratio exceeds ``--max-ratio`` x 1/N (default 1.15).
+Prints one line per rank (or, with --modes/--seq-lengths, one row per length and mode with the
+planner's estimate next to each measurement) and the ratio (per-rank activation bytes at CP=N)
+/ (CP=1); the exit status is 1 when that ratio exceeds ``--max-ratio`` x 1/N (default 1.15),
+or the planner is off by more than ``--planner-tolerance``.
 """
 
 import argparse
