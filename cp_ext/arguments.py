@@ -40,8 +40,15 @@ def _add_parallel_args(parser):
                    help="with --cp-comm-type a2a+p2p: [a2a size, p2p size], i.e. [U, C/U]")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the DP gradient all-reduce / reduce-scatter with the backward (bucket by bucket), "
+                        "as in Megatron-LM")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the next forward "
+                        "(needs --use-distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA+NCCL when a GPU is visible, else CPU+gloo")
+                   help="auto: CUDA+NCCL when a GPU is visible, else CPU+gloo; cuda: an error at parse time when "
+                        "CUDA is not usable; cpu: also on a GPU host (torch's optimizer, no TE/apex kernels)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -70,6 +77,16 @@ def _add_model_args(parser):
     g.add_argument("--vocab-size", type=int, default=None, help="defaults to the tokenizer's")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
+                   choices=list(ATTENTION_BACKENDS),
+                   help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "
+                        "auto = per call, the first that fits dtype and head dim (CUDA: flash, else efficient, "
+                        "else unfused; CPU: cpu); flash = FlashAttention-2 in torch (fp16/bf16, head dim %% 8 == 0 "
+                        "and <= 256); fused = cuDNN fused attention (cudnn: fp16/bf16, head dim %% 8 == 0 and "
+                        "<= 128); unfused and local = plain PyTorch math (any dtype and head dim, s x s memory). "
+                        "cp_ext's kernels by name: efficient (fp32/fp16/bf16, head dim %% 8 == 0, %% 4 for fp32), "
+                        "cudnn, flash_attn and te (packages; fp16/bf16), cpu. Checked at parse time against "
+                        "--bf16, the head dim and --device. Default: $CP_EXT_ATTN_KERNEL if set, else auto")
 
 
 def _add_training_args(parser):
@@ -92,6 +109,13 @@ def _add_training_args(parser):
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--data-seed", type=int, default=None, help="defaults to --seed")
 
+
+# --attention-backend: Megatron-LM's choices (megatron.core.transformer.enums.AttnBackend) and
+# cp_ext's kernel names, each mapped onto a kernel of cp_ext.attention.kernels ("auto": per call).
+ATTENTION_BACKENDS = {
+    "auto": "auto", "flash": "flash", "fused": "cudnn", "unfused": "unfused", "local": "unfused",
+    "efficient": "efficient", "cudnn": "cudnn", "flash_attn": "flash_attn", "te": "te", "cpu": "cpu",
+}
 
 # megatron-core 0.16.1's TransformerConfig.recompute_modules names.
 RECOMPUTE_MODULES = ["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]
@@ -223,6 +247,7 @@ def _fill_derived(args):
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"  # as in Megatron-LM
+    args.attention_kernel = ATTENTION_BACKENDS.get(args.attention_backend)  # None: reported by validate_args
 
 
 def _resolve_ulysses_size(args):
@@ -354,6 +379,50 @@ def _runs_on_cpu(args):
     return not torch.cuda.is_available()
 
 
+def _device_problems(args):
+    """``--device cuda`` must be usable: never fall back to CPU silently."""
+    if args.device != "cuda":
+        return []
+    from cp_ext.platform import cuda_unusable_reason
+
+    reason = cuda_unusable_reason()
+    return [f"--device cuda: {reason}; fix that, or use --device cpu (gloo)"] if reason else []
+
+
+def _attention_problems(args):
+    """The attention kernel against the dtype, head dim and device this run will use."""
+    backend, kernel = args.attention_backend, args.attention_kernel
+    if kernel is None:
+        return [f"--attention-backend {backend!r} (from the command line, --config or $CP_EXT_ATTN_KERNEL) is not "
+                f"one of {', '.join(ATTENTION_BACKENDS)}"]
+    p = []
+    if kernel not in ("auto", "unfused") and args.attention_dropout and args.context_parallel_size == 1:
+        p.append(f"--attention-dropout {args.attention_dropout} is not supported by --attention-backend {backend} "
+                 f"(cp_ext's kernels run without dropout); use --attention-backend auto or unfused, or set "
+                 f"--attention-dropout 0")
+    if kernel == "auto":  # auto always finds a kernel: unfused runs everything
+        return p
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        return p  # the head dim itself is reported by validate_args
+    import torch
+
+    from cp_ext.attention.kernels import dtype_name, kernel_problem
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    device = "cpu" if _runs_on_cpu(args) else "cuda"
+    reason = kernel_problem(kernel, dtype, head_dim, device)
+    if reason:
+        named = backend if kernel == backend else f"{backend} (cp_ext's {kernel} kernel)"
+        head = (f"--kv-channels {head_dim}" if args.kv_channels else
+                f"--hidden-size {args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
+        p.append(f"--attention-backend {named} cannot run this model: {reason} (dtype {dtype_name(dtype)} "
+                 f"{'from --bf16' if args.bf16 else 'without --bf16'}, head dim {head}, device {device} from "
+                 f"--device {args.device}); use --attention-backend auto, which picks a kernel that fits, or change "
+                 f"the model")
+    return p
+
+
 def _data_problems(args):
     """Data flags; the files they name are opened (cheaply) only when given."""
     if getattr(args, "split", None) is None:  # an args namespace built without the data group
@@ -430,6 +499,13 @@ def validate_args(args):
                      f"(megatron-core's MoE layer needs it); add --sequence-parallel")
     elif ep > 1:
         p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        p.append("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the distributed optimizer's "
+                 "parameter all-gather with the next forward; as in Megatron-LM); add it or drop the flag")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        p.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    p.extend(_device_problems(args))
+    p.extend(_attention_problems(args))
     p.extend(_context_parallel_problems(args))
     p.extend(_recompute_problems(args))
     p.extend(_data_problems(args))

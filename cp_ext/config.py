@@ -27,6 +27,13 @@ class ContextParallelTransformerConfig(TransformerConfig):
     from the first forward so megatron's recompute does not re-run the ring, the all-to-all
     or the attention kernel (`cp_ext.transformer.recompute`)."""
 
+    attention_kernel: str = "auto"
+    """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
+    call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped
+    (`cp_ext.arguments.ATTENTION_BACKENDS`). megatron's own ``attention_backend`` field is left
+    at auto: it only steers TransformerEngine's attention (NVTE_* variables), which cp_ext's
+    core attention replaces."""
+
 
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
     """The vocabulary padded to a multiple of ``divisible_by``, the same on every grid.
@@ -67,6 +74,7 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         ulysses_size=args.ulysses_size,
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
+        attention_kernel=args.attention_kernel,
         # activation recompute: megatron's own checkpointed forward does the work
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -22,7 +22,13 @@ CUDA RNG get/set around recompute          the CPU generator's state
 without TE)                                 fixed on GPU without TE too)
 ``CheckpointWithoutOutput`` FP8 flag        forced off without TE (megatron bug; GPU too)
 ``torch.cuda.synchronize()``/streams       no-ops / the current (only) stream
+TE/apex FusedAdam and multi-tensor         torch's Adam/AdamW/SGD and megatron's local
+kernels when TE or apex is importable      multi-tensor functions; the router GEMM in torch
+(``--device cpu`` on a GPU host)           (`_cpu_optimizer_and_router`)
 =========================================  ====================================================
+
+``--device cuda`` never falls back to CPU: `cuda_unusable_reason` says why CUDA cannot be
+used (the argument parser reports it at parse time; `setup_platform` raises).
 
 Everything here is idempotent and process-wide: call `setup_platform()` once, before
 building models. `teardown_platform()` exists for tests.
@@ -130,6 +136,21 @@ def cuda_is_usable(device=None):
     return torch.cuda.is_available()
 
 
+def cuda_unusable_reason():
+    """None when this process can run on CUDA, else why not (a CPU build of torch, no GPU visible,
+    or fewer GPUs than ``LOCAL_RANK`` needs)."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is built without CUDA (a CPU wheel: install torch's CUDA build)"
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"torch.cuda.is_available() is False: no usable GPU or driver{where}"
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        return f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only {count} GPU(s) are visible"
+    return None
+
+
 def _without_transformer_engine():
     """Two megatron-core 0.16.1 bugs met on any device when TransformerEngine is not installed.
 
@@ -162,13 +183,50 @@ def _without_transformer_engine():
         _patch(cls, "__init__", __init__)
 
 
+def _cpu_optimizer_and_router():
+    """On CPU, megatron's torch optimizer and local multi-tensor path, even when TE or apex imports.
+
+    megatron-core 0.16.1 chooses at import time: ``optimizer/__init__.py`` takes TE's (else
+    apex's) ``FusedAdam``/``FusedSGD`` as ``Adam``/``SGD`` and sets ``USING_PYTORCH_OPTIMIZER``;
+    ``optimizer/optimizer.py`` and ``optimizer/clip_grads.py`` take TE's (else apex's)
+    ``multi_tensor_applier`` / ``multi_tensor_scale`` / ``multi_tensor_l2norm`` (CUDA kernels);
+    ``optimizer/distrib_optimizer.py`` takes ``FusedAdam`` and sets ``HAVE_APEX_OR_TE`` /
+    ``USING_TE_OPTIMIZER`` / ``USING_APEX_OPTIMIZER``; ``moe_utils.te_general_gemm`` runs the
+    router GEMM through TE. Those module attributes are read at call time, so rebinding them
+    to the values megatron picks when neither package is installed gives its CPU-capable path.
+    """
+    import torch.optim
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer_module
+    from megatron.core.transformer.moe import moe_utils
+
+    _patch(mcore_optimizer, "Adam", torch.optim.AdamW)
+    _patch(mcore_optimizer, "SGD", torch.optim.SGD)
+    _patch(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", True)
+    _patch(mcore_optimizer_module, "multi_tensor_applier", mcore_utils.local_multi_tensor_applier)
+    _patch(mcore_optimizer_module, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale)
+    _patch(clip_grads, "multi_tensor_applier", mcore_utils.local_multi_tensor_applier)
+    _patch(clip_grads, "l2_norm_impl", mcore_utils.local_multi_tensor_l2_norm)
+    _patch(clip_grads, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale)
+    _patch(distrib_optimizer, "Adam", torch.optim.Adam)
+    _patch(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    _patch(distrib_optimizer, "USING_TE_OPTIMIZER", False)
+    _patch(distrib_optimizer, "USING_APEX_OPTIMIZER", False)
+    _patch(moe_utils, "te_general_gemm", None)  # None selects torch.mm / addmm
+
+
 def setup_platform(device=None):
     """Prepare megatron-core for this host. Returns the torch.device that models live on.
 
     With CUDA (and `device` not 'cpu') only `_without_transformer_engine`'s two fixes apply
-    (when TE is absent), and `cuda:LOCAL_RANK` is returned.
+    (when TE is absent), and `cuda:LOCAL_RANK` is returned. ``device="cuda"`` without a usable
+    CUDA raises RuntimeError (never a silent CPU run).
     """
     global _ACTIVE_MODE
+    if device == "cuda" and cuda_unusable_reason():
+        raise RuntimeError(f"--device cuda: {cuda_unusable_reason()}")
     _without_transformer_engine()
     if cuda_is_usable(device):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -195,6 +253,8 @@ def setup_platform(device=None):
     _patch(mcore_random, "CudaRNGStatesTracker", tracker_class)
     # Drop any tracker built before setup so the next getter builds a CPU one.
     mcore_random.initialize_rng_tracker(force_reset=True)
+
+    _cpu_optimizer_and_router()
 
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()

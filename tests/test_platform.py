@@ -87,3 +87,57 @@ def test_clip_grad_runs_on_cpu():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_cpu_uses_torch_optimizer_and_local_multi_tensor_even_with_te_or_apex():
+    """On a GPU host with TE/apex, megatron binds FusedAdam and CUDA multi-tensor kernels at import;
+    CPU setup rebinds them to its torch/local path, and teardown restores what it found."""
+    out = _run("""
+        import torch
+        from megatron.core import optimizer as opt, utils
+        from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as opt_mod
+        from megatron.core.transformer.moe import moe_utils
+        te = object()  # stands in for what megatron bound when TE/apex imported
+        found = [(opt, "Adam"), (opt, "SGD"), (opt_mod, "multi_tensor_applier"), (opt_mod, "multi_tensor_scale_impl"),
+                 (clip_grads, "multi_tensor_applier"), (clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
+                 (distrib_optimizer, "Adam"), (moe_utils, "te_general_gemm")]
+        for mod, name in found:
+            setattr(mod, name, te)
+        opt.USING_PYTORCH_OPTIMIZER = False
+        distrib_optimizer.HAVE_APEX_OR_TE = distrib_optimizer.USING_TE_OPTIMIZER = True
+        from cp_ext.platform import setup_platform, teardown_platform
+        setup_platform("cpu")
+        assert opt.Adam is torch.optim.AdamW and opt.SGD is torch.optim.SGD and opt.USING_PYTORCH_OPTIMIZER
+        assert opt_mod.multi_tensor_applier is utils.local_multi_tensor_applier
+        assert opt_mod.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+        assert clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
+        assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+        assert clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+        assert distrib_optimizer.Adam is torch.optim.Adam
+        assert not (distrib_optimizer.HAVE_APEX_OR_TE or distrib_optimizer.USING_TE_OPTIMIZER
+                    or distrib_optimizer.USING_APEX_OPTIMIZER)
+        assert moe_utils.te_general_gemm is None
+        teardown_platform()
+        assert all(getattr(mod, name) is te for mod, name in found)
+        assert distrib_optimizer.HAVE_APEX_OR_TE and not opt.USING_PYTORCH_OPTIMIZER
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_device_cuda_never_falls_back_to_cpu():
+    out = _run("""
+        import torch
+        from cp_ext.platform import cuda_unusable_reason, setup_platform
+        if torch.cuda.is_available():
+            print("ok")
+        else:
+            reason = cuda_unusable_reason()
+            assert reason, reason
+            try:
+                setup_platform("cuda")
+            except RuntimeError as e:
+                assert "--device cuda" in str(e) and reason in str(e), e
+                print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -7,12 +7,13 @@
     hybrid_attention(q, k, v, *, causal, softmax_scale=None, ulysses_group=None,
                      ring_group=None, layout="zigzag")
         Ulysses inside, ring outside, for any C = U x R                (hybrid.py)
-    context_parallel_attention(q, k, v, *, causal, softmax_scale=None, layout="zigzag")
+    context_parallel_attention(q, k, v, *, causal, softmax_scale=None, layout="zigzag", kernel=None)
         the one the model calls: picks the variant from cp_ext.parallel_state
 
 Building blocks: ``ring_attn_forward`` / ``ring_attn_backward`` on ``[b, h, s, d]``,
 ``RingComm`` and ``update_out_and_lse`` (utils.py), the differentiable ``all_to_all``,
-and the local kernels behind ``get_kernel`` (kernels.py). The layout contract (who holds
+and the local kernels behind ``get_kernel`` (kernels.py; ``kernel=`` names one, None or
+"auto" picks one per call by device, dtype and head dim). The layout contract (who holds
 which tokens) is `cp_ext.data.sharding.context_parallel_positions`.
 """
 

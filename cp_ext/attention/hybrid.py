@@ -82,13 +82,15 @@ def context_parallel_attention(
     causal: bool,
     softmax_scale: Optional[float] = None,
     layout: str = "zigzag",
+    kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """The model's CP attention: ring (U = 1), Ulysses (R = 1) or the hybrid, on the groups
-    of `cp_ext.parallel_state` (local ``[s, b, h, d]`` shards, per `get_context_parallel_positions`)."""
+    of `cp_ext.parallel_state` (local ``[s, b, h, d]`` shards, per `get_context_parallel_positions`).
+    ``kernel``: the local kernel name (None or "auto": picked per call by dtype and head dim)."""
     from cp_ext import parallel_state
 
     return hybrid_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+        q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, kernel=kernel,
         ulysses_group=parallel_state.get_ulysses_group(), ring_group=parallel_state.get_ring_group(),
     )
 
@@ -118,7 +120,7 @@ def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_
     rank's heads over the whole sequence, [b, h/U, U*s] (what the backward needs besides q, k, v).
     """
     with torch.no_grad():
-        kernel = get_kernel(q.device, q.dtype, kernel)
+        kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
         rep = kv_replicas(q.shape[2], k.shape[2], dist.get_world_size(ulysses_group))
         qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)
         if dist.get_world_size(ring_group) == 1:
@@ -137,7 +139,7 @@ def cp_attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, uly
     exchange, run once more); the ring moves K/V and dK/dV exactly as `ring_attn_backward` does.
     """
     with torch.no_grad():
-        kernel = get_kernel(q.device, q.dtype, kernel)
+        kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
         hk = k.shape[2]
         rep = kv_replicas(q.shape[2], hk, dist.get_world_size(ulysses_group))
         qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)

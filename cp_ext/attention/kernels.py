@@ -18,18 +18,55 @@ are fine; the wrapper makes what its op needs contiguous):
   yields that block's exact share of dq and the exact dk/dv of that block. dk/dv may come
   back in fp32 when they were summed over a GQA group; callers accumulate in fp32 anyway.
 
-Backends: ``cpu`` (aten ``_scaled_dot_product_flash_attention_for_cpu``), on CUDA ``flash``,
-``efficient`` and ``cudnn`` (aten SDPA ops), and, when installed, ``flash_attn`` and ``te``
-(TransformerEngine fused attention). The optional packages are imported only when their
-backend is built, never by importing this module. ``get_kernel(device, dtype, name)``
-picks one; the environment variable ``CP_EXT_ATTN_KERNEL`` overrides the automatic choice.
+Kernels and their limits (`supported` encodes them; `choose_kernel` picks among them):
 
-Only the ``cpu`` backend is exercised by this repository's CPU test-suite; the GPU
-wrappers are written against the op schemas of torch 2.13 / flash-attn 2.x / TE 2.x.
+=============  ====================================  ===========  ==================================
+kernel         what                                  dtypes       head dim d
+=============  ====================================  ===========  ==================================
+``cpu``        aten ``_scaled_dot_product_flash_     fp64, fp32,  any
+               attention_for_cpu`` (CPU only)        bf16, fp16
+``flash``      aten ``_scaled_dot_product_flash_     fp16, bf16   d % 8 == 0, d <= 256
+               attention`` (FlashAttention-2, CUDA)
+``efficient``  aten ``_scaled_dot_product_efficient  fp32, fp16,  d % 8 == 0 (fp16/bf16),
+               _attention`` (cutlass mem-efficient)  bf16         d % 4 == 0 (fp32); no fp64
+``cudnn``      aten ``_scaled_dot_product_cudnn_     fp16, bf16   d % 8 == 0, d <= 128;
+               attention`` (cuDNN, torch >= 2.5)                  torch >= 2.5
+``flash_attn`` the flash-attn package (2.x)          fp16, bf16   d % 8 == 0, d <= 256
+``te``         TransformerEngine fused attention     fp16, bf16   d % 8 == 0, d <= 256
+``unfused``    plain PyTorch (matmul, logsumexp):    any float    any
+               any device, O(s_q x s_k) memory
+=============  ====================================  ===========  ==================================
+
+Sources: torch's ``sdp_utils.cpp`` (``check_head_dim_size_flash``: d <= 256;
+``check_head_dim_size_mem_efficient``: d divisible by ``minimum_gemm_alignment``, which is 8
+for fp16/bf16 and 4 for fp32 on sm80+; ``check_cudnn_tensor_shapes``: d % 8 == 0 and d <= 128,
+256 only on sm90/sm100 with a recent cuDNN; the dtype lists of ``can_use_*``). The direct ops
+do not pad the head dim (only ``F.scaled_dot_product_attention`` does), hence ``% 8`` for
+flash. flash-attn asserts ``head_dim <= 256`` and pads to a multiple of 8 only in its autograd
+wrappers, which cp_ext does not use. cuDNN's LSE is ``[b, h, s, 1]`` from torch 2.9 and
+``[b, h, s]`` before; `cudnn_lse_for_backward` hands the backward the shape its forward gave.
+Not checked here (they need the GPU): the architecture (flash and cudnn need sm80+, efficient
+takes bf16 only on sm80+), cuDNN's version, and TE's own per-architecture limits.
+
+Choosing (``--attention-backend``, `cp_ext.arguments`; the config's ``attention_kernel``):
+``auto`` picks, per call, the first kernel of `PREFERENCE` that supports the dtype and head
+dim: on CUDA ``flash``, else ``efficient``, else ``unfused``; on CPU ``cpu``. Megatron-LM's
+choices map onto these kernels: ``flash`` -> ``flash`` (FlashAttention-2 as built into torch),
+``fused`` -> ``cudnn`` (cuDNN's fused attention, the kernels behind TE's FusedAttention),
+``unfused`` and ``local`` -> ``unfused`` (plain PyTorch math, as TE's unfused and megatron's
+local DotProductAttention are). cp_ext's own names (``efficient``, ``cudnn``, ``flash_attn``,
+``te``, ``cpu``) are accepted as they are. A named kernel that cannot run the call's dtype,
+head dim or device raises ValueError with its limit (the argument parser reports the same
+message at parse time). The optional packages are imported only when their kernel is built,
+never by importing this module.
+
+Only the ``cpu`` and ``unfused`` kernels run numerically in this repository's CPU test-suite;
+the CUDA wrappers are checked on CPU for their op schemas and shapes (meta tensors) and the
+arguments they pass, and numerically by tools/gpu_check.sh on a GPU.
 """
 
+import importlib.util
 import inspect
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -126,31 +163,52 @@ class CudaEfficientSdpaKernel(AttnKernel):
 
     Its LSE comes back padded to a multiple of 32 along the sequence: sliced for the merge,
     padded again for the backward.
+
+    Layouts: the op transposes its ``[b, h, s, d]`` arguments to ``[b, s, h, d]`` and the
+    cutlass backward reads q/k/v/dout through their strides, but reads ``out`` with a fixed
+    row stride of ``h * d`` (``o_strideM`` is never set from the tensor): the fp16/bf16
+    kernels compute D = rowsum(dout * out) in-kernel from it (fp32 computes D with torch ops,
+    which honour strides). So ``out`` must be packed as ``[b, s, h, d]`` -- the layout the
+    forward returns, but not the ring's merged fp32 output cast back -- or dq/dk/dv are
+    silently wrong. dout is passed in the same packing (the op would copy it there anyway);
+    q/k/v only need a contiguous last dim.
     """
 
     name = "efficient"
     native_gqa = False
 
     def _forward(self, q, k, v, causal, scale):
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         return out, lse[..., : q.shape[2]]
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         s = q.shape[2]
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         lse = F.pad(lse.float(), (0, (-s) % 32)).contiguous()
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q, k, v, None, out.contiguous(), lse, no_rng, no_rng,
+            _bshd_packed(dout), q, k, v, None, _bshd_packed(out), lse, no_rng, no_rng,
             0.0, [True, True, True, False], causal, scale=scale,
         )
         return dq, dk, dv
 
 
-class CudaCudnnSdpaKernel(AttnKernel):
-    """aten ``_scaled_dot_product_cudnn_attention`` (CUDA, fp16/bf16). Only on request.
+def _bshd_packed(x):
+    """``x`` [b, h, s, d] (same shape) stored as a contiguous [b, s, h, d]; no copy if it already is."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
-    cuDNN returns the LSE as ``[b, h, s, 1]``; it is squeezed for the merge and restored
-    for the backward. cuDNN is strict about strides, so everything is made contiguous.
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class CudaCudnnSdpaKernel(AttnKernel):
+    """aten ``_scaled_dot_product_cudnn_attention`` (CUDA, fp16/bf16, torch >= 2.5). Only on request.
+
+    cuDNN's LSE is ``[b, h, s, 1]`` from torch 2.9 (``[b, h, s]`` before): squeezed for the
+    merge, and given back to the backward in the shape its forward returned
+    (`cudnn_lse_for_backward`). cuDNN is strict about strides, so everything is made contiguous.
     """
 
     name = "cudnn"
@@ -165,22 +223,55 @@ class CudaCudnnSdpaKernel(AttnKernel):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.float().unsqueeze(-1).contiguous(),
+            dout.contiguous(), q, k, v, out.contiguous(), cudnn_lse_for_backward(lse, torch.__version__),
             no_rng, no_rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
         )
         return dq, dk, dv
 
 
+def cudnn_lse_for_backward(lse, torch_version):
+    """The LSE as cuDNN's backward takes it: the shape its forward returned under ``torch_version``.
+
+    From torch 2.9 the cuDNN forward returns ``[b, h, s, 1]`` and the backward takes it as is;
+    before, the forward returned ``[b, h, s]`` and the backward unsqueezed it itself.
+    """
+    lse = lse.float()
+    if _version(torch_version) >= (2, 9):
+        return (lse if lse.dim() == 4 else lse.unsqueeze(-1)).contiguous()
+    return (lse.squeeze(-1) if lse.dim() == 4 else lse).contiguous()
+
+
+def _version(v) -> Tuple[int, int]:
+    """(major, minor) of a version string such as ``2.13.0+cu128`` or ``2.9.0a0``."""
+    if isinstance(v, tuple):
+        return v[:2]
+    major, minor = (str(v).split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def _call_by_name(fn, values):
-    """Call ``fn`` with the entries of ``values`` its signature names (flash-attn's API drifts)."""
-    params = inspect.signature(fn).parameters
+    """Call ``fn`` with the entries of ``values`` its signature names (flash-attn's API drifts).
+
+    From flash-attn 2.7, ``_flash_attn_forward``/``_backward`` are ``torch.library.custom_op``
+    objects (``CustomOpDef``): their own signature is ``(*args, **kwargs)`` and they have no
+    ``__name__``. The parameters are read from the function they wrap (``_init_fn``); the op
+    itself is called, so it dispatches to the CUDA kernel as flash-attn's own wrappers do.
+    """
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     kwargs = {}
     for name, p in params.items():
         if name in values:
             kwargs[name] = values[name]
-        elif p.default is inspect.Parameter.empty:
-            raise TypeError(f"{fn.__module__}.{fn.__name__}: no value for required argument {name!r}")
+        elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"{_fn_name(fn)}: no value for required argument {name!r}")
     return fn(**kwargs)
+
+
+def _fn_name(fn):
+    """A printable name for a function or a custom op (``flashattn::_flash_attn_forward``)."""
+    name = getattr(fn, "_qualname", None) or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if name and module and "::" not in name else (name or repr(fn))
 
 
 class FlashAttnKernel(AttnKernel):
@@ -269,6 +360,45 @@ class TransformerEngineKernel(AttnKernel):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+class UnfusedKernel(AttnKernel):
+    """Plain PyTorch: scores = scale * q k^T, LSE = logsumexp(scores), out = exp(scores - LSE) v.
+
+    Any device and float dtype (math in fp32, fp64 for fp64), any head dim, at the cost of
+    materializing the ``[b, h, s_q, s_k]`` scores. Megatron's ``unfused`` / ``local``, and auto's
+    last resort on CUDA (fp64, or a head dim no fused kernel takes). The backward recomputes P
+    from the global LSE: dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q.
+    """
+
+    name = "unfused"
+    native_gqa = False
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = scores.shape[-2:]
+            scores.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return scores
+
+    def _forward(self, q, k, v, causal, scale):
+        scores = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype))
+        return out.to(q.dtype), lse
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        scores = self._scores(q, k, causal, scale)
+        acc = scores.dtype
+        p = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+        do = dout.to(acc)
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        ds = p * (torch.matmul(do, v.to(acc).transpose(-1, -2)) - (do * out.to(acc)).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, k.to(acc)) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 KERNELS = {
     "cpu": CpuSdpaKernel,
     "flash": CudaFlashSdpaKernel,
@@ -276,28 +406,93 @@ KERNELS = {
     "cudnn": CudaCudnnSdpaKernel,
     "flash_attn": FlashAttnKernel,
     "te": TransformerEngineKernel,
+    "unfused": UnfusedKernel,
 }
 _CACHE = {}
 
+# auto's order of preference per device type; the last entry runs everything.
+PREFERENCE = {"cuda": ("flash", "efficient", "unfused"), "cpu": ("cpu", "unfused")}
 
-def get_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] = None) -> AttnKernel:
-    """The local kernel for tensors on ``device`` of ``dtype``.
+_HALF = (torch.float16, torch.bfloat16)
+_DEVICE = {"cpu": "cpu", "unfused": None}  # None: any device; every other kernel is CUDA-only
+_DTYPES = {
+    "flash": _HALF, "cudnn": _HALF, "flash_attn": _HALF, "te": _HALF,
+    "efficient": (torch.float32,) + _HALF,
+    "cpu": (torch.float64, torch.float32) + _HALF,
+}
+_MAX_HEAD_DIM = {"flash": 256, "flash_attn": 256, "te": 256, "cudnn": 128}
+_PACKAGES = {"flash_attn": ("flash_attn", "flash-attn"), "te": ("transformer_engine", "transformer-engine[pytorch]")}
 
-    ``name`` (or ``$CP_EXT_ATTN_KERNEL``) picks one of ``KERNELS`` explicitly; otherwise CPU
-    tensors get ``cpu`` and CUDA tensors ``flash`` for fp16/bf16 and ``efficient`` for fp32.
-    An explicitly named optional backend that is not installed raises ImportError.
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).replace("torch.", ""))
+
+
+def supported(name: str, dtype: torch.dtype, head_dim: Optional[int], device_type: str,
+              torch_version=None) -> Optional[str]:
+    """None if kernel ``name`` runs ``dtype`` with ``head_dim`` on ``device_type``, else why not.
+
+    Pure (looks at nothing installed): the reason names the kernel's limit. ``head_dim`` None
+    skips the head-dim rules; ``torch_version`` (default: the installed one) matters for cudnn.
+    """
+    if name not in KERNELS:
+        return f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)}"
+    wants = _DEVICE.get(name, "cuda")
+    if wants is not None and device_type != wants:
+        return f"the {name} kernel runs on {wants.upper()} tensors only, not {device_type}"
+    allowed = _DTYPES.get(name)
+    if not dtype.is_floating_point or (allowed is not None and dtype not in allowed):
+        kinds = "/".join(map(dtype_name, allowed)) if allowed else "floating-point"
+        return f"the {name} kernel takes {kinds} only, not {dtype_name(dtype)}"
+    torch_version = torch_version or torch.__version__
+    if name == "cudnn" and _version(torch_version) < (2, 5):
+        return f"the cudnn kernel needs torch >= 2.5 (the op signature cp_ext calls), not {torch_version}"
+    if head_dim is None:
+        return None
+    align = {"efficient": 8 if dtype in _HALF else 4, "cpu": 1, "unfused": 1}.get(name, 8)
+    limit = _MAX_HEAD_DIM.get(name)
+    if head_dim < 1 or head_dim % align or (limit and head_dim > limit):
+        rule = " and ".join(r for r in (f"a multiple of {align}" if align > 1 else "",
+                                        f"at most {limit}" if limit else "") if r) or "at least 1"
+        return f"the {name} kernel needs a head dim that is {rule} for {dtype_name(dtype)}, not {head_dim}"
+    return None
+
+
+def kernel_problem(name: str, dtype: torch.dtype, head_dim: Optional[int], device_type: str) -> Optional[str]:
+    """`supported`, plus whether an optional package the kernel needs is installed (not imported)."""
+    reason = supported(name, dtype, head_dim, device_type)
+    if reason is None and name in _PACKAGES and importlib.util.find_spec(_PACKAGES[name][0]) is None:
+        reason = f"the {name} kernel needs the {_PACKAGES[name][1]} package, which is not installed"
+    return reason
+
+
+def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: Optional[int] = None, torch_version=None) -> str:
+    """auto's pick: the first kernel of ``PREFERENCE[device_type]`` that `supported` accepts."""
+    for name in PREFERENCE.get(device_type, ("unfused",)):
+        if supported(name, dtype, head_dim, device_type, torch_version) is None:
+            return name
+    raise ValueError(f"no attention kernel runs {dtype_name(dtype)} with head dim {head_dim} on {device_type}")
+
+
+def get_kernel(device: torch.device, dtype: torch.dtype, name: Optional[str] = None,
+               head_dim: Optional[int] = None) -> AttnKernel:
+    """The local kernel for tensors on ``device`` of ``dtype`` and ``head_dim``.
+
+    ``name`` None or ``"auto"`` picks with `choose_kernel`; a named kernel that cannot run
+    the call raises ValueError with its limit. An optional backend that is not installed
+    raises ImportError.
     """
     device = torch.device(device)
-    name = name or os.environ.get("CP_EXT_ATTN_KERNEL") or None
-    if name is None:
-        if device.type != "cuda":
-            name = "cpu"
-        elif dtype in (torch.float16, torch.bfloat16):
-            name = "flash"
-        else:
-            name = "efficient"
-    if name not in KERNELS:
+    if name in (None, "auto"):
+        name = choose_kernel(device.type, dtype, head_dim)
+    elif name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)}")
+    else:
+        reason = supported(name, dtype, head_dim, device.type)
+        if reason is not None:
+            raise ValueError(f"attention kernel {name!r} cannot run this call: {reason}; "
+                             f"use --attention-backend auto, which picks a kernel that fits")
     if name not in _CACHE:
         _CACHE[name] = KERNELS[name]()
     return _CACHE[name]

@@ -118,7 +118,7 @@ def ring_attn_forward(
     """
     comm = RingComm(group)
     _check_local(q, k, v, comm.world_size, layout)
-    kernel = kernel or get_kernel(q.device, q.dtype)
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
     acc = accum_dtype(q.dtype)
     s = q.shape[2]
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -160,7 +160,7 @@ def ring_attn_backward(
     """
     kv_comm, dkv_comm = RingComm(group), RingComm(group)
     size, rank = kv_comm.world_size, kv_comm.rank
-    kernel = kernel or get_kernel(q.device, q.dtype)
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
     acc = accum_dtype(q.dtype)
     s = q.shape[2]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -202,7 +202,7 @@ class RingAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, group, layout, kernel_name):
-        kernel = get_kernel(q.device, q.dtype, kernel_name)
+        kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
         out, lse = ring_attn_forward(
             q, k, v, softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel
         )

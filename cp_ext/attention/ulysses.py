@@ -118,7 +118,7 @@ class LocalAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, kernel_name):
-        kernel = get_kernel(q.device, q.dtype, kernel_name)
+        kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
         out, lse = kernel.forward(q, k, v, causal=causal, scale=softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = dict(causal=causal, scale=softmax_scale)

@@ -7,7 +7,9 @@
       .train()               the loop, logging Megatron-style iteration lines
 
 Nothing here branches on the device: `cp_ext.platform` makes CPU look like what
-megatron-core expects, so the GPU path is this same code with NCCL.
+megatron-core expects, so the GPU path is this same code with NCCL. --overlap-grad-reduce and
+--overlap-param-gather go to megatron's DDP config as in Megatron-LM (its hooks do the overlap;
+exact on CPU/gloo too: tests/training/test_overlap.py).
 """
 
 import time
@@ -69,6 +71,21 @@ def loss_func(loss_mask, output_tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def attention_kernel_line(config, device):
+    """The startup line saying which local attention kernel runs (what ``auto`` picked)."""
+    from cp_ext.attention.kernels import choose_kernel, dtype_name
+
+    kernel, head_dim = config.attention_kernel, config.kv_channels
+    what = f"({dtype_name(config.params_dtype)}, head dim {head_dim}, {device.type})"
+    if kernel != "auto":
+        return f"attention: kernel {kernel} {what}"
+    choice = choose_kernel(device.type, config.params_dtype, head_dim)
+    line = f"attention: --attention-backend auto picks kernel {choice} {what}"
+    if config.context_parallel_size == 1:  # CoreAttention keeps F.scaled_dot_product_attention there
+        line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
+    return line
+
+
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
@@ -85,12 +102,14 @@ class Trainer:
         args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
         self.config = transformer_config_from_args(args)
+        print_rank_0(attention_kernel_line(self.config, self.device))
         model = build_model(self.config, args).to(self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         self.model = [DistributedDataParallel(self.config, ddp_config, model)]
@@ -194,6 +213,9 @@ class Trainer:
             if exiting:
                 print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
                 break
+        if args.overlap_param_gather:  # the last step's parameter all-gather waits for a next forward: run it now
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
         self.metrics.close()
         if history:
             first = self.iteration - len(history) + 1

@@ -15,12 +15,19 @@ result equals attention over the whole sequence.
 Under ``--recompute-granularity full`` with CP-aware recompute (the default there), the
 attention of a checkpointed layer is computed once: `cp_ext.transformer.recompute` keeps its
 output and LSE for the recompute instead of re-running the ring.
+
+The local kernel is ``config.attention_kernel`` (``--attention-backend``, see
+`cp_ext.attention.kernels`): every CP path passes it down as ``kernel=``. At CP = 1, ``auto``
+and ``unfused`` keep torch's ``F.scaled_dot_product_attention`` (which supports dropout;
+``unfused`` restricted to its math backend), and any other kernel runs through that kernel.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -51,6 +58,8 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
+        # cp_ext kernel name, or "auto" (picked per call by dtype and head dim).
+        self.kernel = getattr(config, "attention_kernel", "auto")
         # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).
         self.kept = KeptAttention()
 
@@ -78,6 +87,7 @@ class CoreAttention(MegatronModule):
                 query, key, value, causal=causal, layout=self.cp_layout,
                 softmax_scale=head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale),
                 ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
+                kernel=self.kernel,
             )
             if out is not None:
                 return out.reshape(seq, batch, heads * head_dim)
@@ -87,14 +97,25 @@ class CoreAttention(MegatronModule):
             if self.dropout_p and self.training:
                 raise NotImplementedError("attention dropout is not supported with context parallelism")
             out = context_parallel_attention(
-                query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout
+                query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout,
+                kernel=self.kernel,
             )
             return out.reshape(seq, batch, heads * head_dim)
         # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.kernel not in ("auto", "unfused"):  # an explicitly chosen kernel, which has no dropout
+            from cp_ext.attention.ulysses import LocalAttnFunc
+
+            if dropout_p:
+                raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel")
+            scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
+            out = LocalAttnFunc.apply(q, k, v, scale, causal, self.kernel)
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+        # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
+        math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
         # Dropout inside attention acts on head-sharded data: use the TP-rank stream.
-        with tensor_parallel.get_cuda_rng_tracker().fork():
+        with tensor_parallel.get_cuda_rng_tracker().fork(), math_only:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=k.shape[1] != q.shape[1],

@@ -1,13 +1,35 @@
-"""The local-kernel interface (out, lse) + backward, and the LSE merge, single process."""
+"""The local-kernel interface (out, lse) + backward, and the LSE merge, single process.
 
+Also, without a GPU: the kernel choice (each kernel's dtype / head-dim / device / torch-version
+limits and auto's pick), the CUDA wrappers against their op schemas (meta tensors), the layout
+the efficient backward receives, and flash-attn >= 2.7's custom-op entry points.
+"""
+
+import inspect
 import subprocess
 import sys
+from typing import Optional, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_ext.attention.kernels import CpuSdpaKernel, get_kernel
+import cp_ext.attention.kernels as kernels_module
+from cp_ext.attention.kernels import (
+    PREFERENCE,
+    CpuSdpaKernel,
+    CudaCudnnSdpaKernel,
+    CudaEfficientSdpaKernel,
+    CudaFlashSdpaKernel,
+    FlashAttnKernel,
+    UnfusedKernel,
+    _call_by_name,
+    _version,
+    choose_kernel,
+    cudnn_lse_for_backward,
+    get_kernel,
+    supported,
+)
 from cp_ext.attention.utils import update_out_and_lse
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,16 +60,17 @@ def _mask(s, causal):
     return m.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")) if causal else m
 
 
+@pytest.mark.parametrize("name", ["cpu", "unfused"])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dt", list(DTYPES))
-def test_cpu_kernel_forward_backward(dt, causal, gqa):
+def test_cpu_kernel_forward_backward(dt, causal, gqa, name):
     q, k, v, dout = _qkv(hk=2 if gqa else 4)
     scale = 0.3
     x = [t.to(DTYPES[dt]) for t in (q, k, v, dout)]
     out_t, lse_t, grads_t = _truth(*(t.double() for t in x), causal, scale)  # truth of the rounded inputs
-    kern = get_kernel("cpu", DTYPES[dt])
-    assert isinstance(kern, CpuSdpaKernel)
+    kern = get_kernel("cpu", DTYPES[dt], None if name == "cpu" else name, head_dim=q.shape[-1])
+    assert isinstance(kern, CpuSdpaKernel if name == "cpu" else UnfusedKernel)
     out, lse = kern.forward(*x[:3], causal=causal, scale=scale)
     assert out.dtype == DTYPES[dt] and out.shape == q.shape
     assert lse.dtype == (torch.float64 if dt == "fp64" else torch.float32) and lse.shape == q.shape[:3]
@@ -140,3 +163,259 @@ def test_kernel_selection_and_optional_backends_are_import_guarded():
     except ImportError:
         with pytest.raises(ImportError):
             get_kernel("cuda", torch.bfloat16, "flash_attn")
+
+
+# ----------------------------------------------------------------------------- kernel choice (pure)
+
+HALF, ALL_FLOATS = (torch.float16, torch.bfloat16), list(DTYPES.values())
+
+
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, expected",
+    [
+        ("cuda", torch.bfloat16, 128, "flash"), ("cuda", torch.float16, 64, "flash"), ("cuda", torch.bfloat16, 256, "flash"),
+        ("cuda", torch.bfloat16, 80, "flash"), ("cuda", torch.bfloat16, 8, "flash"),
+        ("cuda", torch.bfloat16, 288, "efficient"),  # > 256: no flash, but 288 % 8 == 0
+        ("cuda", torch.float16, 100, "unfused"),  # 100 % 8 != 0: neither flash nor half-precision efficient
+        ("cuda", torch.float32, 128, "efficient"), ("cuda", torch.float32, 100, "efficient"),  # fp32: % 4
+        ("cuda", torch.float32, 30, "unfused"), ("cuda", torch.float64, 64, "unfused"),
+        ("cpu", torch.float64, 64, "cpu"), ("cpu", torch.float32, 30, "cpu"), ("cpu", torch.bfloat16, 300, "cpu"),
+        ("cpu", torch.float16, 7, "cpu"), ("meta", torch.float32, 64, "unfused"),
+    ],
+)
+def test_auto_picks_the_first_kernel_that_fits(device, dtype, head_dim, expected):
+    assert choose_kernel(device, dtype, head_dim) == expected
+
+
+def test_auto_choice_is_first_supported_for_every_combination():
+    """Over every dtype x head dim 1..320 x device x torch version: auto's pick is supported and
+    every kernel it prefers over it is not; it never picks a CUDA kernel for fp32-only/fp64 limits."""
+    for device in ("cuda", "cpu"):
+        for dtype in ALL_FLOATS:
+            for head_dim in range(1, 321):
+                for version in ("2.4.0", "2.8.1", "2.9.0", "2.13.0+cu128"):
+                    pick = choose_kernel(device, dtype, head_dim, version)
+                    assert supported(pick, dtype, head_dim, device, version) is None
+                    order = PREFERENCE[device]
+                    assert all(supported(n, dtype, head_dim, device, version) for n in order[: order.index(pick)])
+                    if pick == "flash":
+                        assert dtype in HALF and head_dim % 8 == 0 and head_dim <= 256
+                    if pick == "efficient":
+                        assert dtype != torch.float64 and head_dim % (8 if dtype in HALF else 4) == 0
+
+
+@pytest.mark.parametrize(
+    "name, dtype, head_dim, device, version, must_say",
+    [
+        ("flash", torch.float32, 64, "cuda", None, "fp16/bf16 only, not fp32"),
+        ("flash", torch.bfloat16, 260, "cuda", None, "at most 256"),
+        ("flash", torch.bfloat16, 68, "cuda", None, "a multiple of 8"),
+        ("flash_attn", torch.float16, 264, "cuda", None, "at most 256"),
+        ("te", torch.float32, 64, "cuda", None, "fp16/bf16 only"),
+        ("efficient", torch.float64, 64, "cuda", None, "fp32/fp16/bf16 only, not fp64"),
+        ("efficient", torch.float32, 6, "cuda", None, "a multiple of 4 for fp32"),
+        ("efficient", torch.bfloat16, 36, "cuda", None, "a multiple of 8 for bf16"),
+        ("cudnn", torch.bfloat16, 192, "cuda", None, "at most 128"),
+        ("cudnn", torch.bfloat16, 128, "cuda", "2.4.1", "torch >= 2.5"),
+        ("cudnn", torch.float32, 128, "cuda", None, "fp16/bf16 only"),
+        ("cpu", torch.bfloat16, 64, "cuda", None, "CPU tensors only"),
+        ("flash", torch.bfloat16, 64, "cpu", None, "CUDA tensors only"),
+        ("nope", torch.float32, 64, "cpu", None, "unknown attention kernel"),
+    ],
+)
+def test_kernel_limits_name_the_limit(name, dtype, head_dim, device, version, must_say):
+    reason = supported(name, dtype, head_dim, device, version)
+    assert reason is not None and must_say in reason, reason
+
+
+@pytest.mark.parametrize(
+    "name, dtype, head_dim, device, version",
+    [
+        ("flash", torch.bfloat16, 256, "cuda", None), ("flash", torch.float16, 72, "cuda", None),
+        ("efficient", torch.float32, 4, "cuda", None), ("efficient", torch.float16, 512, "cuda", None),
+        ("cudnn", torch.bfloat16, 128, "cuda", "2.5.0"), ("te", torch.bfloat16, 128, "cuda", None),
+        ("unfused", torch.float64, 7, "cuda", None), ("unfused", torch.float32, 3, "cpu", None),
+        ("cpu", torch.float64, 5, "cpu", None),
+    ],
+)
+def test_kernel_limits_accept(name, dtype, head_dim, device, version):
+    assert supported(name, dtype, head_dim, device, version) is None
+
+
+def test_named_kernel_that_cannot_run_raises_with_its_limit():
+    with pytest.raises(ValueError, match="fp16/bf16 only, not fp32"):
+        get_kernel("cuda", torch.float32, "flash", head_dim=64)
+    with pytest.raises(ValueError, match="a multiple of 8"):
+        get_kernel("cuda", torch.bfloat16, "flash", head_dim=100)
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        get_kernel("cuda", torch.float32, "cpu", head_dim=64)
+    assert isinstance(get_kernel("cuda", torch.float64, "auto", head_dim=64), UnfusedKernel)
+
+
+def test_version_parsing_is_numeric():
+    assert _version("2.10.0a0+git1234") == (2, 10) > _version("2.9.1") == (2, 9) > _version("2.8.0+cu126")
+
+
+@pytest.mark.parametrize("version, shape", [("2.4.0", (2, 4, 40)), ("2.8.0", (2, 4, 40)), ("2.9.0", (2, 4, 40, 1)),
+                                            ("2.13.0+cu128", (2, 4, 40, 1))])
+def test_cudnn_lse_matches_what_the_forward_of_that_torch_returned(version, shape):
+    """Forward LSE: [b, h, s] before torch 2.9, [b, h, s, 1] from 2.9; the backward takes that shape."""
+    for lse in (torch.randn(2, 4, 40), torch.randn(2, 4, 40, 1)):
+        back = cudnn_lse_for_backward(lse, version)
+        assert back.shape == shape and back.dtype == torch.float32 and back.is_contiguous()
+        assert torch.equal(back.flatten(), lse.flatten())
+
+
+# ----------------------------------------------------------------------------- CUDA wrappers on CPU
+# The aten CUDA ops have meta kernels: calling a wrapper on meta tensors checks its arguments
+# against the op schema and the shapes it returns, without a GPU (no numbers).
+
+
+def _meta_qkv(b=2, h=4, hk=2, s=40, d=64, dtype=torch.bfloat16):
+    mk = lambda heads: torch.empty(s, b, heads, d, device="meta", dtype=dtype).permute(1, 2, 0, 3)  # noqa: E731
+    return mk(h), mk(hk), mk(hk), mk(h)
+
+
+@pytest.mark.parametrize("cls", [CudaFlashSdpaKernel, CudaEfficientSdpaKernel, CudaCudnnSdpaKernel])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_wrappers_match_op_schemas_on_meta(cls, causal):
+    q, k, v, dout = _meta_qkv()
+    kern = cls()
+    out, lse = kern.forward(q, k, v, causal=causal, scale=0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32  # efficient: padding sliced; cudnn: squeezed
+    dq, dk, dv = kern.backward(dout, q, k, v, out.contiguous(), lse, causal=causal, scale=0.125)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+class _RecordingAten:
+    """Stands in for ``torch.ops.aten`` in kernels.py: records each op's arguments, then runs the
+    real op (on meta tensors: its schema and shape function, without a GPU)."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+
+        def call(*args, **kwargs):
+            self.calls[name] = args
+            return op(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_efficient_backward_gets_out_and_dout_packed_as_bshd(monkeypatch, dtype):
+    """The cutlass backward reads ``out`` with a fixed row stride of h*d ([b, s, h, d] packing);
+    the ring hands it a [b, h, s, d]-contiguous merged output. What reaches the op must be packed
+    like the forward's own output, and q/k/v must have a contiguous last dim."""
+    rec = _RecordingAten()
+    monkeypatch.setattr(kernels_module, "aten", rec)
+    b, h, s, d = 2, 4, 40, 64
+    q, k, v, dout = _meta_qkv(b, h, h, s, d, dtype)
+    kern = CudaEfficientSdpaKernel()
+    fwd_out, lse = kern.forward(q, k, v, causal=True, scale=0.125)
+    out = fwd_out.contiguous()  # what ring_attn_forward returns: the merged fp32 output cast back
+    kern.backward(dout.contiguous(), q, k, v, out, lse, causal=True, scale=0.125)
+    args = rec.calls["_scaled_dot_product_efficient_attention_backward"]
+    bshd = (s * h * d, d, h * d, 1)
+    assert fwd_out.stride() == bshd  # the forward's own output layout (meta kernel = the CUDA allocation)
+    assert args[5].shape == out.shape and args[5].stride() == bshd, args[5].stride()  # out
+    assert args[0].shape == dout.shape and args[0].stride() == bshd, args[0].stride()  # dout
+    assert all(x.stride(-1) == 1 for x in args[1:4])  # q, k, v
+    assert args[6].shape == (b, h, 64) and args[6].dtype == torch.float32  # LSE padded to a multiple of 32
+
+
+# flash-attn >= 2.7 wraps its entry points in torch.library.custom_op; these two have the exact
+# signatures of flash_attn/flash_attn_interface.py (flash-attn 2.7.x: `_flash_attn_forward` and
+# `_flash_attn_backward`, registered as "flashattn::..." with device_types="cuda"), registered here
+# for CPU and computed with the CPU kernel, recording what they receive.
+FA_CALLS = {}
+
+
+@torch.library.custom_op("cp_ext_test::_flash_attn_forward", mutates_args=("q", "k", "v"), device_types="cpu")
+def _fa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    FA_CALLS["fwd"] = dict(q=q.shape, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                           window=(window_size_left, window_size_right), softcap=softcap, alibi=alibi_slopes,
+                           return_softmax=return_softmax)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  [b, s, h, d] -> [b, h, s, d]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(t(q), t(k), t(v), dropout_p, causal,
+                                                                          scale=softmax_scale)
+    return t(out).contiguous(), lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("cp_ext_test::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+def _fa_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    FA_CALLS["bwd"] = dict(dq=dq.shape, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                           window=(window_size_left, window_size_right), lse=softmax_lse.shape, rng_state=rng_state)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        t(dout), t(q), t(k), t(v), t(out), softmax_lse.to(q.dtype), dropout_p, causal, scale=softmax_scale)
+    for dst, src in zip((dq, dk, dv), grads):
+        dst.copy_(t(src))
+    return torch.empty(0, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_attn_custom_op_entry_points(causal):
+    """flash-attn >= 2.7: `_call_by_name` reads the wrapped function's signature and calls the op."""
+    assert list(inspect.signature(_fa_forward).parameters) == ["args", "kwargs"]  # why `_init_fn` is needed
+    assert not hasattr(_fa_forward, "__name__")
+    kern = FlashAttnKernel.__new__(FlashAttnKernel)  # without importing flash_attn
+    kern._fwd, kern._bwd = _fa_forward, _fa_backward
+    q, k, v, dout = _qkv(hk=2, s=20, d=16)
+    out, lse = kern.forward(q, k, v, causal=causal, scale=0.3)
+    assert FA_CALLS["fwd"] == dict(q=(2, 20, 4, 16), dropout_p=0.0, softmax_scale=0.3, causal=causal, window=(-1, -1),
+                                   softcap=0.0, alibi=None, return_softmax=False)
+    ref = CpuSdpaKernel()
+    out_r, lse_r = ref.forward(q, k, v, causal=causal, scale=0.3)
+    assert out.shape == q.shape and (out - out_r).abs().max() < 1e-12 and (lse - lse_r).abs().max() < 1e-12
+    grads = kern.backward(dout, q, k, v, out, lse, causal=causal, scale=0.3)
+    assert FA_CALLS["bwd"] == dict(dq=(2, 20, 4, 16), softmax_scale=0.3, causal=causal, deterministic=False,
+                                   window=(-1, -1), lse=(2, 4, 20), rng_state=None)
+    lse_fp32 = lse_r.float().double()  # the wrapper hands flash-attn an fp32 LSE, as flash-attn stores it
+    for g, gr in zip(grads, ref.backward(dout, q, k, v, out_r, lse_fp32, causal=causal, scale=0.3)):
+        assert g.shape == gr.shape and (g - gr).abs().max() < 1e-12
+
+
+def test_call_by_name_error_names_the_custom_op():
+    with pytest.raises(TypeError, match=r"cp_ext_test::_flash_attn_forward: no value for required argument 'q'"):
+        _call_by_name(_fa_forward, {})
+    with pytest.raises(TypeError, match=r"test_kernels._needs_b: no value for required argument 'b'"):
+        _call_by_name(_needs_b, {})
+
+
+def _needs_b(b):
+    return b

@@ -1,0 +1,82 @@
+"""cp_ext.transformer.attention: the configured kernel reaches the attention (single process, CP = 1).
+
+At CP = 1, ``auto`` and ``unfused`` run torch's ``F.scaled_dot_product_attention`` and a named
+kernel runs through `cp_ext.attention.kernels`; all give the same output and gradients. A named
+kernel that cannot run the call fails with its limit, not inside the op. (CP > 1 passes the same
+``kernel=`` down the ring / Ulysses paths: tests/attention/.) Runs in a subprocess so the CPU
+platform mode and the process group never leak into other tests.
+"""
+
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import torch
+
+from tests.launch import REPO_ROOT
+
+
+def test_configured_kernel_runs_at_cp1(tmp_path):
+    code = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from cp_ext.platform import setup_platform
+        setup_platform("cpu")
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.enums import AttnMaskType
+        import cp_ext.attention.ulysses as ulysses
+        from cp_ext.config import ContextParallelTransformerConfig
+        from cp_ext.transformer.attention import CoreAttention
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(1)
+        used = []
+        real_get_kernel = ulysses.get_kernel
+        ulysses.get_kernel = lambda *a, **k: used.append(a[2]) or real_get_kernel(*a, **k)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(24, 2, 4, 8, generator=g, dtype=torch.float64)  # [s, b, h, d], GQA 4 -> 2
+        k, v = (torch.randn(24, 2, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(24, 2, 32, generator=g, dtype=torch.float64)
+        results = {{}}
+        for kernel in ("auto", "unfused", "cpu"):
+            config = ContextParallelTransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                                      num_query_groups=2, attention_kernel=kernel, attention_dropout=0.0)
+            attn = CoreAttention(config, 1, AttnMaskType.causal, "self")
+            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attn(*xs, attention_mask=None)
+            out.backward(dout)
+            results[kernel] = [out.detach()] + [x.grad for x in xs]
+        assert used == ["cpu"], used  # only the named kernel goes through cp_ext's kernels
+        for kernel in ("unfused", "cpu"):
+            for a, b in zip(results[kernel], results["auto"]):
+                assert a.shape == b.shape and (a - b).abs().max() < 1e-12, (kernel, (a - b).abs().max())
+        config = ContextParallelTransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                                  num_query_groups=2, attention_kernel="flash", attention_dropout=0.0)
+        try:
+            CoreAttention(config, 1, AttnMaskType.causal, "self")(q, k, v, attention_mask=None)
+        except ValueError as e:
+            assert "CUDA tensors only" in str(e), e
+        else:
+            raise AssertionError("the flash kernel ran on CPU tensors")
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_startup_line_says_what_auto_picked():
+    from cp_ext.training.trainer import attention_kernel_line
+
+    def line(kernel, dtype, cp, device):
+        config = SimpleNamespace(attention_kernel=kernel, kv_channels=128, params_dtype=dtype, context_parallel_size=cp)
+        return attention_kernel_line(config, torch.device(device))
+
+    expected = "attention: --attention-backend auto picks kernel flash (bf16, head dim 128, cuda)"
+    assert line("auto", torch.bfloat16, 2, "cuda") == expected
+    assert "picks kernel efficient (fp32" in line("auto", torch.float32, 4, "cuda")
+    assert "picks kernel cpu" in line("auto", torch.float32, 1, "cpu") and "F.scaled_dot_product_attention" in line(
+        "auto", torch.float32, 1, "cpu")
+    assert line("cudnn", torch.bfloat16, 2, "cuda") == "attention: kernel cudnn (bf16, head dim 128, cuda)"
