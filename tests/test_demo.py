@@ -25,3 +25,6 @@ def test_cpu_demo_loss_falls(tmp_path):
     last = float(lines[-1].group(3))
     assert last < first - 1.5, f"loss should fall clearly: iteration 1 {first:.3f} -> last {last:.3f}"
     assert (tmp_path / "metrics.jsonl").exists()
+    # every rank's peak memory, gathered to rank 0 (metrics.jsonl holds rank 0's only)
+    peaks = re.search(r"^peak RSS per rank \(MiB\): ([\d ]+)$", proc.stdout, re.M)
+    assert peaks and len(peaks.group(1).split()) == 4 and all(int(x) > 100 for x in peaks.group(1).split()), proc.stdout[-2000:]

@@ -34,7 +34,7 @@ from cp_ext import parallel_state as cp_state
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.datasets import build_train_dataset
 from cp_ext.models.gpt_moe import build_model
-from cp_ext.platform import distributed_backend, setup_platform
+from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
 from cp_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from cp_ext.training.logging import IterationLog, print_rank_0
@@ -223,7 +223,16 @@ class Trainer:
                 f"training done: lm loss {history[0]['lm loss']:.4f} (iteration {first}) -> "
                 f"{history[-1]['lm loss']:.4f} (iteration {self.iteration}); metrics in {args.log_dir}/metrics.jsonl"
             )
+        self.report_peak_memory()
         return history
+
+    def report_peak_memory(self):
+        """Rank 0 prints every rank's peak memory (metrics.jsonl holds rank 0's only)."""
+        peak = torch.tensor([float(memory_bytes())], dtype=torch.float64, device=self.device)
+        peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(peaks, peak)
+        kind = "peak RSS" if platform_is_cpu() else "CUDA max allocated"
+        print_rank_0(f"{kind} per rank (MiB): " + " ".join(f"{p.item() / 2**20:.0f}" for p in peaks))
 
     def shutdown(self):
         """Leave the process groups cleanly so torchrun sees every rank exit 0."""

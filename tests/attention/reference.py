@@ -3,7 +3,7 @@
 `measure` draws seeded full-sequence q, k, v, dout (float64), runs float64 and in-dtype
 `F.scaled_dot_product_attention` on the whole sequence, runs the variant under test on this
 rank's tokens, and returns max abs errors per tensor. Used by test_ring, test_ulysses and
-test_hybrid.
+test_hybrid (on CPU), and by tools/gpu_check.py's NCCL worker (``device="cuda:<local rank>"``).
 """
 
 import zlib
@@ -11,12 +11,14 @@ import zlib
 TENSORS = ("out", "dq", "dk", "dv")
 
 
-def measure(case, attn, positions, on_forward=None):
+def measure(case, attn, positions, on_forward=None, device="cpu"):
     """Run ``attn(q, k, v)`` on this rank's shard (tokens ``positions``) of seeded full tensors.
 
     Returns the max abs errors of (out, dq, dk, dv) against float64 full-sequence SDPA
     (``err``), the single-device error in the case's dtype (``ref_err``) and max|truth|.
-    ``on_forward()`` is called between the forward and the backward.
+    ``on_forward()`` is called between the forward and the backward. Everything (the float64
+    truth, the in-dtype reference and the shards ``attn`` gets) lives on ``device``; the seeded
+    draw is on the CPU, so every rank and device sees the same numbers.
     """
     import torch
     import torch.nn.functional as F
@@ -24,8 +26,9 @@ def measure(case, attn, positions, on_forward=None):
     dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case["dtype"]]
     b, h, hk, s, d = 2, case["h"], case["hk"], case["s"], case["d"]
     gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
-    q, dout = (torch.randn(s, b, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(s, b, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, dout = (torch.randn(s, b, h, d, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    k, v = (torch.randn(s, b, hk, d, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+    positions = positions.to(device)
 
     def full_sdpa(dt):  # single-process SDPA on the whole sequence, in dtype dt
         xs = [x.to(dt).permute(1, 2, 0, 3).detach().requires_grad_() for x in (q, k, v)]
