@@ -162,6 +162,19 @@ def _add_checkpoint_args(parser):
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop after the iteration that is a multiple of this (saving first if --save)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (SLURM's time limit or preemption), finish the current iteration, save a "
+                        "checkpoint (with --save) and exit 0; resume with --load")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, train with this run's LR/WD schedule flags instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's LR/WD schedule (with neither flag, a changed schedule "
+                        "is an error, as in Megatron-LM)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="on --load, do not load the optimizer state (fresh Adam moments; this run's schedule)")
+    g.add_argument("--no-load-rng", action="store_true", help="on --load, do not restore the RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="on --load, load the weights only and start at iteration 0 (no optimizer, RNG, data position)")
 
 
 def _add_data_args(parser):
@@ -509,12 +522,15 @@ def validate_args(args):
     p.extend(_context_parallel_problems(args))
     p.extend(_recompute_problems(args))
     p.extend(_data_problems(args))
-    if args.load and not p:
-        from cp_ext.training.checkpointing import layout_problems
+    if (args.load or args.save or args.finetune) and not p:
+        from cp_ext.training.checkpointing import checkpoint_problems
 
-        p.extend(layout_problems(args.load, args))
+        p.extend(checkpoint_problems(args))
     if args.lr_warmup_iters > args.train_iters:
         p.append(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --train-iters {args.train_iters}")
+    elif args.lr_warmup_iters >= args.lr_decay_iters:  # megatron's scheduler asserts warmup < decay
+        p.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+                 f"(which defaults to --train-iters); lower the warm-up or raise the decay iterations")
     if args.min_lr > args.lr:
         p.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.log_interval < 1:

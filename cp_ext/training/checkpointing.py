@@ -16,9 +16,17 @@ lowest global rank of each (TP, PP, EP, ETP) shard writes it, and a run with ano
 CP or DP size reads the same files (RNG files are per global
 rank and are skipped when the world changed; they matter only with dropout).
 
-Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames
-the directory and then replaces the tracker file (write + fsync + ``os.replace``). A
-kill at any moment leaves the previous checkpoint and the tracker pointing at it intact.
+Atomicity: every rank writes into ``iter_XXXXXXX.tmp`` and fsyncs its files; after a barrier
+rank 0 fsyncs the directories, renames the directory and then replaces the tracker file
+(write + fsync + ``os.replace``). A kill at any moment leaves the previous checkpoint and the
+tracker pointing at it intact.
+
+Nothing is lost (checked at parse time, `checkpoint_problems`): a ``--save`` directory that
+holds a checkpoint newer than where the run starts (e.g. ``--load`` at a wrong path) is an
+error, never a tracker rolled back; ``--save`` must be a writable directory. Files load with
+``weights_only=True`` and errors name the file. Megatron's resume flags:
+``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` (with neither, a
+changed LR schedule is an error), ``--no-load-optim``, ``--no-load-rng``, ``--finetune``.
 """
 
 import json
@@ -35,6 +43,12 @@ from cp_ext.training.logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"  # the saving run's model-parallel sizes, read before anything is built
+# The LR / weight-decay schedule a checkpoint was trained with (meta.json), compared at parse
+# time as Megatron's OptimizerParamScheduler compares them at load time.
+SCHEDULE_FLAGS = {
+    "lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters",
+    "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style", "weight_decay": "--weight-decay",
+}
 SHARDING_FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
@@ -70,6 +84,39 @@ def _rng_state():
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def _durable_save(obj, path):
+    """torch.save, then fsync: the bytes are on disk before the directory is renamed into place."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint_file(path):
+    """torch.load with ``weights_only=True`` (no pickled code runs), and errors that name the file."""
+    import pickle
+    import zipfile
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(f"{path}: refused to load: it holds objects other than tensors and plain data "
+                           f"(checkpoints load with weights_only=True, so a crafted file cannot run code): "
+                           f"{str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise RuntimeError(f"{path}: unreadable checkpoint file (truncated or corrupt? {len(Path(path).read_bytes()) if Path(path).exists() else 0} "
+                           f"bytes): {str(e).splitlines()[0]}; load an earlier iteration (its directory's "
+                           f"iteration number in {TRACKER})") from None
+
+
 def _fsync_write(path, text):
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "w") as f:
@@ -87,7 +134,8 @@ def save_checkpoint(trainer, root):
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
         (tmp / "rng").mkdir(parents=True)
         meta = {name: getattr(trainer.args, name) for name in SHARDING_FLAGS}
-        (tmp / META).write_text(json.dumps({"iteration": iteration, **meta}, indent=1))
+        schedule = {name: getattr(trainer.args, name) for name in SCHEDULE_FLAGS}
+        (tmp / META).write_text(json.dumps({"iteration": iteration, **meta, "schedule": schedule}, indent=1))
     dist.barrier()
     if _is_writer():
         state = {
@@ -99,12 +147,17 @@ def save_checkpoint(trainer, root):
             "args": {k: v for k, v in vars(trainer.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
         }
         (tmp / _shard_name()).mkdir(exist_ok=True)
-        torch.save(state, tmp / _shard_name() / "model_optim_rng.pt")
-    torch.save({"world_size": dist.get_world_size(), "rng": _rng_state()}, tmp / "rng" / f"rank_{dist.get_rank():05d}.pt")
+        _durable_save(state, tmp / _shard_name() / "model_optim_rng.pt")
+    _durable_save({"world_size": dist.get_world_size(), "rng": _rng_state()}, tmp / "rng" / f"rank_{dist.get_rank():05d}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        for directory in [*tmp.iterdir(), tmp]:  # the shard directories' entries, then the checkpoint's
+            if directory.is_dir():
+                _fsync_dir(directory)
+        if final.exists():  # only this run's own earlier save of this iteration (checked at startup)
+            shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(Path(root))
         _fsync_write(Path(root) / TRACKER, f"{iteration}\n")
         print_rank_0(f"saved checkpoint at iteration {iteration} to {final}")
     dist.barrier()
@@ -120,6 +173,55 @@ def latest_iteration(root):
     return int(text)
 
 
+def _load_path_problems(args):
+    root = Path(args.load)
+    if root.exists() and not root.is_dir():
+        return [f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})"]
+    if latest_iteration(root) is None and root.name.startswith("iter_") and (root.parent / TRACKER).exists():
+        return [f"--load {root} is one iteration's directory; give its parent, --load {root.parent} (it resumes "
+                f"from the iteration in {TRACKER})"]
+    return []
+
+
+def _save_problems(args, start_iteration):
+    """--save must be a writable directory that holds no checkpoint newer than where this run starts."""
+    root = Path(args.save)
+    if root.exists() and not root.is_dir():
+        return [f"--save {root} is a file, not a directory; give a directory for the checkpoints"]
+    existing = root if root.exists() else next((p for p in root.parents if p.exists()), None)
+    if existing is None or not os.access(existing, os.W_OK | os.X_OK):
+        return [f"--save {root}: {existing} is not writable; choose a directory this job can write"]
+    saved = latest_iteration(root) if root.exists() else None
+    if saved is not None and saved > start_iteration:
+        how = (f"--load {args.load} starts at iteration {start_iteration}" if args.load and start_iteration
+               else "this run starts at iteration 0" + (f" (--load {args.load} holds no checkpoint)" if args.load else ""))
+        return [f"--save {root} already holds a checkpoint of iteration {saved} and {how}: its saves would roll "
+                f"{TRACKER} back and replace newer checkpoints. Resume it with --load {root}, or save to a new "
+                f"directory"]
+    return []
+
+
+def checkpoint_problems(args):
+    """Everything about --load / --save that is wrong before any process group exists (parse time)."""
+    p = []
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        p.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other; "
+                 "give one")
+    start = 0
+    if args.load:
+        p.extend(_load_path_problems(args))
+        if not p:
+            iteration = latest_iteration(args.load)
+            start = 0 if iteration is None or args.finetune else iteration
+            if iteration is not None:
+                p.extend(layout_problems(args.load, args))
+    elif args.finetune:
+        p.append("--finetune needs --load (the checkpoint whose weights to start from)")
+    if args.save:
+        p.extend(_save_problems(args, start))
+    return p
+
+
 def layout_problems(root, args):
     """Why the latest checkpoint under `root` cannot load with `args` (checked at parse time)."""
     iteration = latest_iteration(root)
@@ -129,12 +231,23 @@ def layout_problems(root, args):
     if not meta_file.exists():
         return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"]
     saved = json.loads(meta_file.read_text())
-    return [
+    p = [
         f"--load {root}: the checkpoint was saved with {flag} {saved[name]}, this run has {getattr(args, name)}; "
         f"checkpoints load at any CP/DP size but need the saving run's TP, PP, EP and ETP"
         for name, flag in SHARDING_FLAGS.items()
         if saved[name] != getattr(args, name)
     ]
+    schedule = saved.get("schedule")  # absent in checkpoints written before it was recorded
+    resumes_schedule = not (args.finetune or args.no_load_optim or args.override_opt_param_scheduler
+                            or args.use_checkpoint_opt_param_scheduler)
+    if schedule and resumes_schedule:
+        changed = [f"{flag} {getattr(args, name)} (checkpoint: {schedule[name]})"
+                   for name, flag in SCHEDULE_FLAGS.items() if name in schedule and schedule[name] != getattr(args, name)]
+        if changed:
+            p.append(f"--load {root}: the learning-rate schedule differs from the checkpoint's: {', '.join(changed)}. "
+                     f"Add --override-opt_param-scheduler to train with the new values, or "
+                     f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's (as in Megatron-LM)")
+    return p
 
 
 def load_checkpoint(trainer, root):
@@ -151,15 +264,27 @@ def load_checkpoint(trainer, root):
             f"saving run's --tensor-model-parallel-size, --pipeline-model-parallel-size and "
             f"--expert-model-parallel-size"
         )
-    state = torch.load(shard, map_location="cpu", weights_only=False)
+    state = read_checkpoint_file(shard)
+    args = trainer.args
     trainer.model[0].module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    if args.finetune:  # Megatron's --finetune: the weights only, from iteration 0
+        print_rank_0(f"--finetune: loaded the weights of iteration {iteration} from {directory}; starting at iteration 0")
+        return 0
+    if not args.no_load_optim:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        if args.override_opt_param_scheduler:
+            # megatron's param groups carry their own max_lr / min_lr, restored from the checkpoint
+            # just now, and its scheduler reads those before its own: give them this run's values.
+            for group in trainer.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = args.lr, args.min_lr
+        trainer.scheduler.load_state_dict(state["scheduler"])  # keeps or overrides per the two flags
+    else:  # Megatron's --no-load-optim: fresh optimizer state, the new schedule from this iteration on
+        trainer.scheduler.step(increment=state["iteration"])
     trainer.iteration = state["iteration"]
     trainer.consumed_samples = state["consumed_samples"]
     rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.exists():
-        rng = torch.load(rng_file, map_location="cpu", weights_only=False)
+    if rng_file.exists() and not args.no_load_rng:
+        rng = read_checkpoint_file(rng_file)
         if rng["world_size"] == dist.get_world_size():
             _restore_rng(rng["rng"])
     print_rank_0(f"loaded checkpoint of iteration {iteration} from {directory}")

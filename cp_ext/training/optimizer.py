@@ -33,7 +33,10 @@ def build_optimizer(args, config, model_chunks):
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        wd_incr_steps=args.lr_decay_iters,  # unused by the constant style; not a second source of mismatch
         wd_incr_style="constant",
+        # Megatron-LM's resume semantics (checked at parse time against meta.json)
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     return optimizer, scheduler

@@ -40,6 +40,7 @@ from cp_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
 from cp_ext.training.optimizer import build_optimizer
+from cp_ext.training.signals import ExitSignalHandler
 
 
 def initialize_distributed(args, device):
@@ -199,6 +200,7 @@ class Trainer:
             f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
         )
         history = []
+        signals = ExitSignalHandler() if args.exit_signal_handler else None
         while self.iteration < args.train_iters:
             start = time.perf_counter()
             metrics = self.train_step()
@@ -207,12 +209,20 @@ class Trainer:
             log.record(self.iteration, self.consumed_samples, elapsed, metrics)
             self.metrics.log(self.iteration, metrics, tokens_per_iteration / elapsed, elapsed)
             exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
+            signalled = signals is not None and signals.any_rank_received(self.device)
+            if signalled:
+                print_rank_0(f"received SIGTERM (--exit-signal-handler): "
+                             f"{'saving and ' if args.save else ''}exiting after iteration {self.iteration}")
+                exiting = True
             if args.save and (self.iteration == args.train_iters or exiting
                               or (args.save_interval and self.iteration % args.save_interval == 0)):
                 save_checkpoint(self, args.save)
             if exiting:
-                print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+                if not signalled:
+                    print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
                 break
+        if signals is not None:
+            signals.restore()
         if args.overlap_param_gather:  # the last step's parameter all-gather waits for a next forward: run it now
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)

@@ -1,0 +1,189 @@
+"""Checkpoints never lose data and resume as Megatron-LM does.
+
+Parse-time checks on checkpoint directories laid out on disk (no process group needed):
+``--save`` holding a newer checkpoint than the run starts from (a wrong ``--load``) is an
+error, never a tracker rolled back; ``--load`` at one iteration's directory names its parent;
+a changed LR schedule without ``--override-opt_param-scheduler`` or
+``--use-checkpoint-opt_param-scheduler`` is an error naming both. Files load with
+``weights_only=True``: a crafted pickle is refused, a truncated file is named.
+Then real 2-rank runs: the two scheduler flags, ``--no-load-optim`` and ``--finetune``.
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cp_ext.arguments import ConfigError, parse_args
+from cp_ext.training.checkpointing import META, SCHEDULE_FLAGS, TRACKER, read_checkpoint_file
+from tests.launch import REPO_ROOT
+
+FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
+         "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1", "--device", "cpu"]
+
+
+def _fake_checkpoint(root, iteration, **schedule_changes):
+    """A checkpoint directory as save_checkpoint lays it out (meta.json + tracker)."""
+    args = parse_args(FLAGS, world_size=1)
+    schedule = {name: getattr(args, name) for name in SCHEDULE_FLAGS}
+    schedule.update(schedule_changes)
+    directory = root / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True)
+    meta = {"iteration": iteration, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "schedule": schedule}
+    (directory / META).write_text(json.dumps(meta))
+    (root / TRACKER).write_text(f"{iteration}\n")
+    return root
+
+
+def _error(argv):
+    with pytest.raises(ConfigError) as info:
+        parse_args(FLAGS + argv, world_size=1)
+    return str(info.value)
+
+
+def test_save_never_rolls_back_a_newer_checkpoint(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ck", 5)
+    wrong = tmp_path / "elsewhere"
+    wrong.mkdir()
+    message = _error(["--save", str(ckpt), "--load", str(wrong)])
+    assert f"--save {ckpt} already holds a checkpoint of iteration 5" in message and f"--load {ckpt}" in message
+    assert "already holds a checkpoint of iteration 5" in _error(["--save", str(ckpt)])
+    parse_args(FLAGS + ["--save", str(ckpt), "--load", str(ckpt)], world_size=1)  # resuming it: fine
+
+
+def test_load_at_an_iteration_directory_names_its_parent(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ck", 5)
+    message = _error(["--load", str(ckpt / "iter_0000005")])
+    assert "one iteration's directory" in message and f"--load {ckpt}" in message
+
+
+def test_save_must_be_a_directory(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert f"--save {path} is a file" in _error(["--save", str(path)])
+    assert "--finetune needs --load" in _error(["--finetune"])
+
+
+def test_changed_schedule_needs_one_of_megatrons_flags(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ck", 4, lr=3e-4, lr_decay_style="linear")
+    message = _error(["--load", str(ckpt)])
+    assert "--lr 0.001 (checkpoint: 0.0003)" in message and "--lr-decay-style cosine (checkpoint: linear)" in message
+    assert "--override-opt_param-scheduler" in message and "--use-checkpoint-opt_param-scheduler" in message
+    for flag in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler", "--no-load-optim",
+                 "--finetune"):
+        parse_args(FLAGS + ["--load", str(ckpt), flag], world_size=1)
+    assert "contradict" in _error(["--load", str(ckpt), "--override-opt_param-scheduler",
+                                   "--use-checkpoint-opt_param-scheduler"])
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_crafted_and_truncated_files_are_refused_by_name(tmp_path):
+    crafted = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": _RunsCode()}, crafted)
+    with pytest.raises(RuntimeError) as info:
+        read_checkpoint_file(crafted)
+    assert str(crafted) in str(info.value) and "weights_only=True" in str(info.value)
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(3), "step": 4, "name": "x", "betas": (0.9, 0.95)}, good)
+    assert read_checkpoint_file(good)["step"] == 4
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(RuntimeError) as info:
+        read_checkpoint_file(truncated)
+    assert str(truncated) in str(info.value) and "truncated or corrupt" in str(info.value)
+    assert pickle.HIGHEST_PROTOCOL  # (pickle is what a crafted checkpoint abuses)
+
+
+# ----------------------------------------------------------------------------- real runs
+
+
+def _run(*args, fails=False):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--expert-model-parallel-size", "2", *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    assert (proc.returncode != 0) == fails, proc.stderr[-6000:]  # torchrun reports a rank's exit 2 as 1
+    return proc
+
+
+def _metrics(log_dir):
+    return {r["iteration"]: r for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    _run("--save", root / "ck", "--exit-interval", "4", "--log-dir", root / "first")
+    return root / "ck", _metrics(root / "first")
+
+
+def test_resume_with_a_new_lr_follows_the_flag(saved, tmp_path):
+    ckpt, first = saved
+    refused = _run("--load", ckpt, "--lr", "5e-4", "--log-dir", tmp_path / "refused", fails=True)
+    assert refused.stderr.count("--override-opt_param-scheduler") == 1, refused.stderr[-3000:]
+    _run("--load", ckpt, "--lr", "5e-4", "--override-opt_param-scheduler", "--log-dir", tmp_path / "new")
+    _run("--load", ckpt, "--lr", "5e-4", "--use-checkpoint-opt_param-scheduler", "--log-dir", tmp_path / "old")
+    new, old = _metrics(tmp_path / "new"), _metrics(tmp_path / "old")
+    assert sorted(new) == sorted(old) == [5, 6, 7, 8]
+    # cosine from max LR at iteration 2 to 0 at 8: the two runs differ exactly by the max LR's ratio
+    assert new[5]["train/learning_rate"] == pytest.approx(0.5 * old[5]["train/learning_rate"], rel=1e-9)
+    assert old[5]["train/learning_rate"] > 0
+
+
+def test_finetune_starts_at_iteration_0_from_the_weights(saved, tmp_path):
+    ckpt, first = saved
+    _run("--load", ckpt, "--finetune", "--train-iters", "3", "--log-dir", tmp_path / "ft")
+    ft = _metrics(tmp_path / "ft")
+    assert sorted(ft) == [1, 2, 3]
+    # same data as the first run's iteration 1, but trained weights: a clearly lower loss
+    assert ft[1]["train/lm_loss"] < first[1]["train/lm_loss"] - 0.05, (ft[1], first[1])
+    _run("--load", ckpt, "--no-load-optim", "--no-load-rng", "--log-dir", tmp_path / "fresh")
+    assert sorted(_metrics(tmp_path / "fresh")) == [5, 6, 7, 8]
+
+
+def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
+    """--exit-signal-handler: SIGTERM to the training processes (as SLURM delivers it to a job's tasks)
+    finishes the iteration, saves, exits 0; resuming continues the same loss curve."""
+    import signal
+    import time
+
+    save, log_dir = tmp_path / "ck", tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--expert-model-parallel-size", "2", "--train-iters", "40",
+           "--lr-decay-iters", "40", "--exit-signal-handler", "--save", save, "--log-dir", log_dir]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = log_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in stdout
+    stopped = int((save / TRACKER).read_text())
+    assert 3 <= stopped < 40 and max(_metrics(log_dir)) == stopped
+
+    _run("--train-iters", "40", "--lr-decay-iters", "40", "--load", save, "--save", save, "--exit-interval",
+         str(stopped + 2), "--log-dir", log_dir)
+    resumed = _metrics(log_dir)
+    assert sorted(resumed) == list(range(1, stopped + 3))
+    straight = tmp_path / "straight"
+    _run("--train-iters", "40", "--lr-decay-iters", "40", "--exit-interval", str(stopped + 2), "--log-dir", straight)
+    assert {i: r["train/lm_loss"] for i, r in resumed.items()} == {i: r["train/lm_loss"] for i, r in _metrics(straight).items()}
