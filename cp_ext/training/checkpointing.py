@@ -49,6 +49,15 @@ SCHEDULE_FLAGS = {
     "lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters",
     "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style", "weight_decay": "--weight-decay",
 }
+# What decides the parameters' shapes: a checkpoint of another shape is refused at parse time.
+MODEL_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels", "num_experts": "--num-experts", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "normalization": "--normalization", "swiglu": "--swiglu",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+}
 SHARDING_FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
@@ -135,7 +144,9 @@ def save_checkpoint(trainer, root):
         (tmp / "rng").mkdir(parents=True)
         meta = {name: getattr(trainer.args, name) for name in SHARDING_FLAGS}
         schedule = {name: getattr(trainer.args, name) for name in SCHEDULE_FLAGS}
-        (tmp / META).write_text(json.dumps({"iteration": iteration, **meta, "schedule": schedule}, indent=1))
+        model = {name: getattr(trainer.args, name) for name in MODEL_FLAGS}
+        (tmp / META).write_text(json.dumps({"iteration": iteration, **meta, "schedule": schedule, "model": model},
+                                           indent=1))
     dist.barrier()
     if _is_writer():
         state = {
@@ -161,6 +172,71 @@ def save_checkpoint(trainer, root):
         _fsync_write(Path(root) / TRACKER, f"{iteration}\n")
         print_rank_0(f"saved checkpoint at iteration {iteration} to {final}")
     dist.barrier()
+
+
+LOCK = ".cp_ext_save.lock"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_save_lock(root):
+    """One job saves into a directory at a time (collective; call before building the model).
+
+    Rank 0 creates ``root/.cp_ext_save.lock`` naming its host and pid (``O_EXCL``). A lock whose
+    process is gone from this host is stale and taken over; a live one, or one from another host,
+    stops every rank with exit status 2 and one message naming the other job. Released by
+    `release_save_lock` (and left behind only by a killed job, where it is stale).
+    """
+    import socket
+    import sys
+
+    problem = None
+    if dist.get_rank() == 0:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        lock, me = root / LOCK, {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    other = json.loads(lock.read_text())
+                except (OSError, ValueError):
+                    other = {}
+                if other.get("host") == me["host"] and isinstance(other.get("pid"), int) and not _pid_alive(other["pid"]):
+                    lock.unlink(missing_ok=True)  # a killed job's lock: take it over
+                    continue
+                problem = (f"--save {root}: another job is saving there (host {other.get('host', '?')}, pid "
+                           f"{other.get('pid', '?')}, lock file {lock}); give this run its own --save directory, "
+                           f"or delete the lock file if that job is gone")
+                break
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            break
+    decision = [problem]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        if dist.get_rank() == 0:
+            print(f"pretrain_moe.py: configuration error:\n  - {decision[0]}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def release_save_lock(root):
+    if dist.get_rank() == 0:
+        lock = Path(root) / LOCK
+        try:
+            if json.loads(lock.read_text()).get("pid") == os.getpid():
+                lock.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def latest_iteration(root):
@@ -191,6 +267,7 @@ def _save_problems(args, start_iteration):
     existing = root if root.exists() else next((p for p in root.parents if p.exists()), None)
     if existing is None or not os.access(existing, os.W_OK | os.X_OK):
         return [f"--save {root}: {existing} is not writable; choose a directory this job can write"]
+    _warn_if_disk_is_short(args, existing)
     saved = latest_iteration(root) if root.exists() else None
     if saved is not None and saved > start_iteration:
         how = (f"--load {args.load} starts at iteration {start_iteration}" if args.load and start_iteration
@@ -199,6 +276,31 @@ def _save_problems(args, start_iteration):
                 f"{TRACKER} back and replace newer checkpoints. Resume it with --load {root}, or save to a new "
                 f"directory"]
     return []
+
+
+def checkpoint_bytes_estimate(args):
+    """One checkpoint's bytes, all ranks together (`cp_ext.perf.memory`): fp32 weights + Adam's
+    two moments (+ the fp32 main copy of bf16 weights, which the optimizer state holds)."""
+    from cp_ext.perf.memory import ModelShape, total_params
+
+    shape = ModelShape(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+                       kv_heads=args.num_query_groups, ffn=args.ffn_hidden_size,
+                       vocab=args.vocab_size or 32000, experts=args.num_experts or 0, topk=args.moe_router_topk,
+                       moe_ffn=args.moe_ffn_hidden_size, swiglu=args.swiglu,
+                       tied_embeddings=not args.untie_embeddings_and_output_weights)
+    return total_params(shape) * (4 + 8 + (4 if args.bf16 else 0))
+
+
+def _warn_if_disk_is_short(args, directory):
+    """A warning, not an error, on rank 0: the estimate is rough and the disk may be freed meanwhile."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    need, free = checkpoint_bytes_estimate(args), shutil.disk_usage(directory).free
+    if free < need:
+        import sys
+
+        print(f"pretrain_moe.py: warning: --save {args.save}: {free / 2**30:.1f} GiB free on its disk, one "
+              f"checkpoint needs about {need / 2**30:.1f} GiB (planner estimate)", file=sys.stderr, flush=True)
 
 
 def checkpoint_problems(args):
@@ -231,6 +333,13 @@ def layout_problems(root, args):
     if not meta_file.exists():
         return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"]
     saved = json.loads(meta_file.read_text())
+    model = saved.get("model")  # absent in checkpoints written before it was recorded
+    if model:
+        changed = [f"{flag} {getattr(args, name)} (checkpoint: {model[name]})"
+                   for name, flag in MODEL_FLAGS.items() if name in model and model[name] != getattr(args, name)]
+        if changed:
+            return [f"--load {root}: the checkpoint is of another model: {', '.join(changed)}; give the saving "
+                    f"run's model flags (its config.yaml in the run's --log-dir lists them)"]
     p = [
         f"--load {root}: the checkpoint was saved with {flag} {saved[name]}, this run has {getattr(args, name)}; "
         f"checkpoints load at any CP/DP size but need the saving run's TP, PP, EP and ETP"

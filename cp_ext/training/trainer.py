@@ -36,7 +36,7 @@ from cp_ext.data.datasets import build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
-from cp_ext.training.checkpointing import load_checkpoint, save_checkpoint
+from cp_ext.training.checkpointing import acquire_save_lock, load_checkpoint, release_save_lock, save_checkpoint
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
 from cp_ext.training.optimizer import build_optimizer
@@ -98,6 +98,8 @@ class Trainer:
         self.args = args
         self.device = setup_platform(None if args.device == "auto" else args.device)
         initialize_distributed(args, self.device)
+        if args.save:
+            acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
         self.dataset = build_train_dataset(args)
         vocab = args.vocab_size or self.dataset.vocab_size
         args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -247,6 +249,8 @@ class Trainer:
     def shutdown(self):
         """Leave the process groups cleanly so torchrun sees every rank exit 0."""
         dist.barrier()
+        if self.args.save:
+            release_save_lock(self.args.save)
         cp_state.destroy_context_parallel()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

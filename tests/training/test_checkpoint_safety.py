@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cp_ext.arguments import ConfigError, parse_args
-from cp_ext.training.checkpointing import META, SCHEDULE_FLAGS, TRACKER, read_checkpoint_file
+from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER, read_checkpoint_file
 from tests.launch import REPO_ROOT
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -27,15 +27,18 @@ FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--nu
          "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1", "--device", "cpu"]
 
 
-def _fake_checkpoint(root, iteration, **schedule_changes):
+def _fake_checkpoint(root, iteration, model_changes=None, **schedule_changes):
     """A checkpoint directory as save_checkpoint lays it out (meta.json + tracker)."""
     args = parse_args(FLAGS, world_size=1)
     schedule = {name: getattr(args, name) for name in SCHEDULE_FLAGS}
     schedule.update(schedule_changes)
+    model = {name: getattr(args, name) for name in MODEL_FLAGS}
+    model.update(model_changes or {})
     directory = root / f"iter_{iteration:07d}"
     directory.mkdir(parents=True)
     meta = {"iteration": iteration, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "schedule": schedule}
+            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "schedule": schedule,
+            "model": model}
     (directory / META).write_text(json.dumps(meta))
     (root / TRACKER).write_text(f"{iteration}\n")
     return root
@@ -80,6 +83,28 @@ def test_changed_schedule_needs_one_of_megatrons_flags(tmp_path):
         parse_args(FLAGS + ["--load", str(ckpt), flag], world_size=1)
     assert "contradict" in _error(["--load", str(ckpt), "--override-opt_param-scheduler",
                                    "--use-checkpoint-opt_param-scheduler"])
+
+
+def test_save_warns_when_the_disk_is_short(tmp_path, capsys):
+    import shutil
+
+    from cp_ext.training.checkpointing import checkpoint_bytes_estimate
+
+    big = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000"]
+    args = parse_args(FLAGS + big + ["--save", str(tmp_path / "ck")], world_size=1)
+    need = checkpoint_bytes_estimate(args)
+    assert 25e9 * 12 < need < 30e9 * 12  # ~28B parameters (32 layers of 4096, 4 experts of 16384) x 12 B
+    if shutil.disk_usage(tmp_path).free < need:
+        assert "one checkpoint needs about" in capsys.readouterr().err
+    small = parse_args(FLAGS + ["--save", str(tmp_path / "ck2")], world_size=1)
+    assert checkpoint_bytes_estimate(small) < 1e8 and "warning" not in capsys.readouterr().err
+
+
+def test_another_models_checkpoint_is_refused_at_startup(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ck", 4, model_changes={"hidden_size": 64, "num_experts": 8})
+    message = _error(["--load", str(ckpt)])
+    assert "another model" in message and "--hidden-size 32 (checkpoint: 64)" in message
+    assert "--num-experts 4 (checkpoint: 8)" in message
 
 
 class _RunsCode:
@@ -187,3 +212,22 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     straight = tmp_path / "straight"
     _run("--train-iters", "40", "--lr-decay-iters", "40", "--exit-interval", str(stopped + 2), "--log-dir", straight)
     assert {i: r["train/lm_loss"] for i, r in resumed.items()} == {i: r["train/lm_loss"] for i, r in _metrics(straight).items()}
+
+
+def test_one_job_per_save_directory(tmp_path):
+    import socket
+
+    save = tmp_path / "ck"
+    save.mkdir()
+    lock = save / ".cp_ext_save.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # a live job: this one
+    refused = _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "a", fails=True)
+    message = f"another job is saving there (host {socket.gethostname()}, pid {os.getpid()}"
+    assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
+    assert not (save / TRACKER).exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))  # a killed job's lock
+    _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "b")
+    assert (save / TRACKER).read_text().strip() == "3" and not lock.exists(), "stale lock taken over, then released"
