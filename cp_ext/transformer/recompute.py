@@ -56,6 +56,7 @@ class KeptAttention:
 
     def __init__(self):
         self._kept = deque()
+        self.replayed = 0  # recomputes served from kept outputs (tests read it)
 
     def __len__(self):
         return len(self._kept)
@@ -74,6 +75,7 @@ class KeptAttention:
                                "output (recompute out of order); run with --no-cp-aware-recompute and report this")
         out, lse = self._kept.popleft()
         KeptAttention.live_bytes -= out.nbytes + lse.nbytes
+        self.replayed += 1
         if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
             raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
                                f"recomputed query {tuple(q.shape)}")

@@ -1,6 +1,6 @@
 """Activation recompute is exact: every recompute mode gives the run without recompute.
 
-One launch per grid (CP2 ring, CP4 = U2 x R2, PP2 x CP2, TP2 x CP2 + SP with EP2) trains the
+One launch per grid (CP1, CP2 ring, CP4 = U2 x R2, PP2 x CP2, TP2 x CP2 + SP with EP2) trains the
 same small MoE GPT for 3 iterations in fp32 once per recompute mode, on the same process
 groups, and compares each mode with the mode-less run of the same grid, rank by rank: the
 global lm loss, the MoE load-balancing loss and the grad norm of every iteration, and every
@@ -9,8 +9,11 @@ parameter's gradient after iteration 1, within 1e-6 relative.
 It also counts the bytes each mode sends (`cp_ext.perf.counter`) in iteration 1: with
 CP-aware full recompute the ring traffic equals the run without recompute (the ring runs
 forward once and backward once), while Megatron's plain full recompute sends the forward's
-KV blocks a second time. The CP2 launch adds a dense model (selective ``mlp``) and hidden
-dropout under full recompute (the recomputed forward must draw the same masks).
+KV blocks a second time; and that CP-aware recompute really replayed kept outputs (the CP=1
+case included, where the local kernel's output is kept). The CP2 launch adds a dense model
+(selective ``mlp``), hidden dropout under full recompute (the recomputed forward must draw the
+same masks) and ``--distribute-saved-activations`` on the same 2 ranks re-gridded as TP2 without
+SP (megatron's split of each checkpointed input is counted).
 """
 
 import sys
@@ -20,12 +23,13 @@ import torch
 
 from tests.launch import launch, worker_args, write_results
 
-MODEL = [
+DENSE_MODEL = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-    "--ffn-hidden-size", "64", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
-    "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
-    "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0", "--device", "cpu",
+    "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0",
+    "--device", "cpu",
 ]
+MODEL = DENSE_MODEL + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
 FULL = ["--recompute-granularity", "full", "--recompute-method"]
 MODES = {
     "none": [],
@@ -38,14 +42,21 @@ MODES = {
     "selective_layernorm": ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
     "selective_moe": ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
 }
-# Extra pairs (baseline, recompute) on the CP2 launch only; "dense" drops the MoE flags.
+# Extra pairs (baseline, recompute) on the CP2 launch only: "dense" runs DENSE_MODEL; "dense_tp2"
+# re-grids the same 2 ranks as TP2 without sequence parallelism, where megatron's
+# --distribute-saved-activations applies.
+TP2 = ["--context-parallel-size", "1", "--tensor-model-parallel-size", "2"]
 EXTRA = {
     "dense_none": [],
     "dense_selective_mlp": ["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+    "dense_tp2_none": TP2,
+    "dense_tp2_full_distributed": TP2 + FULL + ["uniform", "--recompute-num-layers", "1",
+                                                "--distribute-saved-activations"],
     "dropout_none": ["--hidden-dropout", "0.2"],
     "dropout_full_uniform": ["--hidden-dropout", "0.2"] + FULL + ["uniform", "--recompute-num-layers", "1"],
 }
 GRIDS = {
+    "cp1": (1, []),  # CP-aware recompute keeps the local kernel's output too
     "cp2_ring": (2, ["--context-parallel-size", "2"]),
     "cp4_ulysses2_ring2": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                "--hierarchical-context-parallel-sizes", "2", "2"]),
@@ -54,14 +65,15 @@ GRIDS = {
                        "--expert-model-parallel-size", "2"]),
 }
 PAIRS = [(mode, "none") for mode in MODES if mode != "none"]
-EXTRA_PAIRS = [("dense_selective_mlp", "dense_none"), ("dropout_full_uniform", "dropout_none")]
+EXTRA_PAIRS = [("dense_selective_mlp", "dense_none"), ("dropout_full_uniform", "dropout_none"),
+               ("dense_tp2_full_distributed", "dense_tp2_none")]
 TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module", params=list(GRIDS))
 def grid_results(request):
     nproc, flags = GRIDS[request.param]
-    results = launch(__file__, nproc, "--grid", request.param, *MODEL, *flags, timeout=900)
+    results = launch(__file__, nproc, "--grid", request.param, timeout=900)
     return request.param, results
 
 
@@ -84,11 +96,22 @@ def test_every_recompute_mode_is_exact(grid_results):
         # (checked above: dropout_full_uniform equals dropout_none to 1e-6).
         assert abs(results[0]["dropout_none"]["lm loss"][0] - results[0]["none"]["lm loss"][0]) > 1e-4
         assert results[0]["dense_none"]["lm loss"] != results[0]["none"]["lm loss"]
+        # --distribute-saved-activations split each checkpointed input over TP (megatron's call counted)
+        assert all(r["dense_tp2_full_distributed"]["distributed_splits"] > 0 for r in results.values())
+        assert all(r["dense_tp2_none"]["distributed_splits"] == 0 for r in results.values())
 
 
-def test_cp_aware_recompute_sends_the_ring_once(grid_results):
+def test_cp_aware_recompute_replays_and_sends_the_ring_once(grid_results):
     grid, results = grid_results
     for rank, res in results.items():
+        # CP-aware full recompute served every checkpointed layer's recompute from the kept outputs
+        # (every layer with uniform, the first of each stage with block); plain never did.
+        assert res["full_uniform"]["replayed"] > 0 and res["full_block"]["replayed"] > 0
+        assert res["full_uniform"]["replayed"] > res["full_block"]["replayed"]  # block: only layer 1 of a stage
+        assert res["full_uniform_plain"]["replayed"] == res["none"]["replayed"] == 0
+        if grid == "cp1":
+            assert res["none"]["comm"] == res["full_uniform"]["comm"] == {}, "CP=1 sends nothing"
+            continue
         none, aware, plain = res["none"]["comm"], res["full_uniform"]["comm"], res["full_uniform_plain"]["comm"]
         ring = none.get("ring_p2p", 0)
         assert ring > 0, f"rank {rank}: no ring traffic counted"
@@ -115,6 +138,16 @@ def _run_mode(base_flags, mode_flags):
     from cp_ext.perf.counter import count_comm
     from cp_ext.training.trainer import Trainer
 
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    splits = {"n": 0}
+    real_split = mcore_random.split_tensor_into_1d_equal_chunks
+
+    def counted_split(*args, **kwargs):  # what --distribute-saved-activations makes megatron call
+        splits["n"] += 1
+        return real_split(*args, **kwargs)
+
+    mcore_random.split_tensor_into_1d_equal_chunks = counted_split
     trainer = Trainer(parse_args(base_flags + mode_flags))
     record = {"lm loss": [], "load balancing loss": [], "grad norm": []}
     grads = None
@@ -130,6 +163,9 @@ def _run_mode(base_flags, mode_flags):
             record[key].append(metrics.get(key, 0.0))
     kept = [m.kept for m in trainer.model[0].modules() if getattr(m, "kept", None) is not None]
     assert kept and all(len(k) == 0 for k in kept), "CP-aware recompute left kept attention outputs behind"
+    record["replayed"] = sum(k.replayed for k in kept)
+    record["distributed_splits"] = splits["n"]
+    mcore_random.split_tensor_into_1d_equal_chunks = real_split
     cp_state.destroy_context_parallel()
     parallel_state.destroy_model_parallel()
     return record, grads
@@ -152,11 +188,8 @@ def worker():
     warnings.simplefilter("ignore")
     opts = worker_args(sys.argv[1:])
     grid = opts.extra[opts.extra.index("--grid") + 1]
-    base = [a for i, a in enumerate(opts.extra) if a != "--grid" and opts.extra[i - 1] != "--grid"]
-    dense = [a for i, a in enumerate(base) if a not in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size")
-             and base[i - 1] not in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size")]
-    dense = [a for i, a in enumerate(dense) if a != "--expert-model-parallel-size"
-             and dense[i - 1] != "--expert-model-parallel-size"]
+    grid_flags = GRIDS[grid][1]
+    base, dense = MODEL + grid_flags, DENSE_MODEL + grid_flags
     runs = {name: (base, flags) for name, flags in MODES.items()}
     pairs = list(PAIRS)
     if grid == "cp2_ring":
