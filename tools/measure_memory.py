@@ -255,18 +255,8 @@ def _mib(n):
 
 
 def _with_seq_length(flags, seq):
-    if seq is None:
-        return list(flags)
-    out, skip = [], False
-    for f in flags:
-        if skip:
-            skip = False
-            continue
-        if f == "--seq-length":
-            skip = True
-            continue
-        out.append(f)
-    return out + ["--seq-length", str(seq)]
+    """The flags with ``--seq-length seq`` (argparse keeps the last value given)."""
+    return list(flags) + ([] if seq is None else ["--seq-length", str(seq)])
 
 
 def table(cp, flags, modes, seq_lengths, ulysses_size=None, max_ratio=1.15, planner_tolerance=None, verbose=False):

@@ -121,8 +121,9 @@ def read_checkpoint_file(path):
                            f"(checkpoints load with weights_only=True, so a crafted file cannot run code): "
                            f"{str(e).splitlines()[0]}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise RuntimeError(f"{path}: unreadable checkpoint file (truncated or corrupt? {len(Path(path).read_bytes()) if Path(path).exists() else 0} "
-                           f"bytes): {str(e).splitlines()[0]}; load an earlier iteration (its directory's "
+        size = Path(path).stat().st_size if Path(path).exists() else 0
+        raise RuntimeError(f"{path}: unreadable checkpoint file (truncated or corrupt? {size} bytes): "
+                           f"{str(e).splitlines()[0]}; load an earlier iteration (its directory's "
                            f"iteration number in {TRACKER})") from None
 
 
