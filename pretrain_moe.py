@@ -7,6 +7,8 @@
 Flags use Megatron-LM's spellings; `pretrain_moe.py --help` lists them.
 """
 
+import os
+import sys
 import warnings
 
 # megatron-core warns at import that apex/TE are absent; cp_ext does not need them.
@@ -21,9 +23,15 @@ from cp_ext.arguments import parse_args_or_exit  # noqa: E402
 
 def main(argv=None):
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
+    from cp_ext.training.checkpointing import CheckpointReadError
     from cp_ext.training.trainer import Trainer
 
-    trainer = Trainer(args)
+    try:
+        trainer = Trainer(args)
+    except CheckpointReadError as e:  # every rank reads the same files: one message, from rank 0
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_moe.py: cannot load the checkpoint: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     trainer.train()
     trainer.shutdown()
 

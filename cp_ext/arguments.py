@@ -173,6 +173,9 @@ def _add_checkpoint_args(parser):
     g.add_argument("--no-load-optim", action="store_true",
                    help="on --load, do not load the optimizer state (fresh Adam moments; this run's schedule)")
     g.add_argument("--no-load-rng", action="store_true", help="on --load, do not restore the RNG states")
+    g.add_argument("--ckpt-fallback", action="store_true",
+                   help="on --load, if the latest checkpoint cannot be read (truncated or corrupt), load the newest "
+                        "earlier complete one instead, saying so")
     g.add_argument("--finetune", action="store_true",
                    help="on --load, load the weights only and start at iteration 0 (no optimizer, RNG, data position)")
 
@@ -523,7 +526,7 @@ def validate_args(args):
     p.extend(_recompute_problems(args))
     p.extend(_data_problems(args))
     if (args.load or args.save or args.finetune) and not p:
-        from cp_ext.training.checkpointing import checkpoint_problems
+        from cp_ext.training.checkpoint_checks import checkpoint_problems
 
         p.extend(checkpoint_problems(args))
     if args.lr_warmup_iters > args.train_iters:
@@ -537,9 +540,6 @@ def validate_args(args):
         p.append("--log-interval must be >= 1")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         p.append(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
-    if (args.save or args.load) and args.use_distributed_optimizer:
-        p.append("--save/--load do not support --use-distributed-optimizer yet (its optimizer state is sharded "
-                 "over DP); drop --use-distributed-optimizer to checkpoint")
     return p
 
 

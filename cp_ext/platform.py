@@ -21,6 +21,8 @@ CUDA RNG get/set around recompute          the CPU generator's state
 ``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron bug: unguarded name;
 without TE)                                 fixed on GPU without TE too)
 ``CheckpointWithoutOutput`` FP8 flag        forced off without TE (megatron bug; GPU too)
+distributed optimizer loading a model-     states the checkpoint lacks (torch Adam's step;
+space checkpoint needs every state          fp32 main params) keep their values (any device)
 ``torch.cuda.synchronize()``/streams       no-ops / the current (only) stream
 TE/apex FusedAdam and multi-tensor         torch's Adam/AdamW/SGD and megatron's local
 kernels when TE or apex is importable      multi-tensor functions; the router GEMM in torch
@@ -183,6 +185,38 @@ def _without_transformer_engine():
         _patch(cls, "__init__", __init__)
 
 
+def _distributed_optimizer_loads_partial_state():
+    """megatron-core 0.16.1's distributed optimizer, loading a model-space (``fully_reshardable``)
+    checkpoint, copies *every* per-parameter state of the inner optimizer from what it read
+    (`_set_main_param_and_optimizer_states`). torch's Adam (no apex/TE, so CPU always) keeps a
+    per-parameter ``step``, which megatron saves in the param groups instead: KeyError 'step'
+    on every load. And a checkpoint of megatron's fp32 optimizer holds no main parameters (the
+    fp32 weights are their own). States the checkpoint does not hold keep their current values:
+    the step megatron's `load_state_dict` just set from the param groups, and main parameters
+    that are views of the weights just loaded. (megatron's `load_state_dict` also hands one step
+    tensor to every parameter, which torch's Adam then increments once per parameter per step:
+    each parameter gets its own copy.)
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_cp_ext_partial", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main]
+            if "step" in state:  # `load_state_dict` gave every parameter the *same* step tensor, which
+                state["step"] = state["step"].clone()  # torch's Adam increments in place, once per parameter
+            tensors = {"param": main, **state, **tensors}
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._cp_ext_partial = True
+    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+
+
 def _cpu_optimizer_and_router():
     """On CPU, megatron's torch optimizer and local multi-tensor path, even when TE or apex imports.
 
@@ -228,6 +262,7 @@ def setup_platform(device=None):
     if device == "cuda" and cuda_unusable_reason():
         raise RuntimeError(f"--device cuda: {cuda_unusable_reason()}")
     _without_transformer_engine()
+    _distributed_optimizer_loads_partial_state()
     if cuda_is_usable(device):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)

@@ -7,7 +7,12 @@
 #   * one `srun` task per node runs `torchrun --nnodes $SLURM_NNODES --nproc-per-node N
 #     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID
 #     pretrain_moe.py --config $CONFIG <your flags>`;
-#   * the job's exit status is srun's (non-zero if any rank failed).
+#   * the job's exit status is srun's (non-zero if any rank failed);
+#   * --exit-signal-handler is on: when the #SBATCH --signal=B:USR1@180 warning reaches this
+#     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
+#     SIGTERM goes to the training ranks only, on every node, so each finishes its iteration,
+#     saves (with --save) and exits 0. Not SIGTERM to torchrun: torchrun would kill its ranks
+#     30 s later, in the middle of a large save. CP_EXT_EXIT_SIGNAL_HANDLER=0 turns it off.
 #
 # Environment knobs (sbatch exports the submitting shell's environment to the job):
 #   CONFIG            YAML config (or give it as the first argument: sbatch X.sbatch configs/Y.yaml ...)
@@ -97,12 +102,33 @@ cp_ext_slurm_launch() {
          "rendezvous $MASTER_ADDR:$MASTER_PORT, config $config, OMP_NUM_THREADS=$OMP_NUM_THREADS" \
          "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")"
 
-    # One task per node; torchrun starts that node's ranks and finds the others via c10d.
+    local -a signal_flags=()
+    if [[ "${CP_EXT_EXIT_SIGNAL_HANDLER:-1}" == 1 ]]; then
+        signal_flags=(--exit-signal-handler)
+        trap cp_ext_forward_exit_signal USR1
+    fi
+
+    # One task per node; torchrun starts that node's ranks and finds the others via c10d. In the
+    # background, so that the USR1 trap runs while the job trains (bash runs traps between commands).
     srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$cpus_per_task" \
         --kill-on-bad-exit=1 \
         "${torchrun[@]}" \
         --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$nproc" \
         --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
         --max-restarts 0 \
-        pretrain_moe.py --config "$config" "${device_flags[@]}" "$@"
+        pretrain_moe.py --config "$config" "${device_flags[@]}" "${signal_flags[@]}" "$@" &
+    local step=$! status=0
+    while true; do
+        wait "$step" && status=0 || status=$?
+        kill -0 "$step" 2>/dev/null || break  # still running: `wait` was interrupted by the trap
+    done
+    return "$status"
+}
+
+# The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the
+# children of its torchrun (found by this job's rendezvous id in torchrun's command line).
+cp_ext_forward_exit_signal() {
+    echo "cp_ext: USR1 (time limit near): SIGTERM to the training ranks; they save and exit"
+    CP_EXT_RDZV_ID="--rdzv-id $SLURM_JOB_ID" srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+        bash -c 'for p in $(pgrep -u "$(id -u)" -f -- "$CP_EXT_RDZV_ID"); do pkill -TERM -P "$p"; done' || true
 }

@@ -36,7 +36,7 @@ from cp_ext.data.datasets import build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
-from cp_ext.training.checkpointing import acquire_save_lock, load_checkpoint, release_save_lock, save_checkpoint
+from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, release_save_lock
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
 from cp_ext.training.optimizer import build_optimizer
@@ -127,8 +127,9 @@ class Trainer:
         self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
         self.iteration = 0
         self.consumed_samples = 0
+        self.checkpointer = Checkpointer(self)
         if args.load:
-            load_checkpoint(self, args.load)
+            self.checkpointer.load(args.load)
 
     def train_step(self):
         """One optimizer step on global batch `self.iteration`; returns its metrics."""
@@ -218,7 +219,7 @@ class Trainer:
                 exiting = True
             if args.save and (self.iteration == args.train_iters or exiting
                               or (args.save_interval and self.iteration % args.save_interval == 0)):
-                save_checkpoint(self, args.save)
+                self.checkpointer.save(args.save)
             if exiting:
                 if not signalled:
                     print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")

@@ -96,3 +96,37 @@ def test_multi_node_script_is_accepted(cluster):
     proc = cluster.run(["sbatch", "--test-only", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={min(2, cluster.cpus)}",
                         "--time=10", str(script), "configs/cpu_demo.yaml"], check=False, cwd=REPO_ROOT)
     assert proc.returncode == 0 and "to start at" in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+
+
+def test_time_limit_warning_saves_and_exits_0(cluster, tmp_path):
+    """The sbatch script's --signal=B:USR1@180 warning, sent by hand (`scancel --signal=USR1 --batch`):
+    the batch shell forwards SIGTERM to the training ranks only, they finish the iteration, save
+    and exit 0, and the job ends COMPLETED with the checkpoint in place."""
+    import time
+
+    run_dir, save, out = tmp_path / "run", tmp_path / "ck", tmp_path / "job.out"
+    env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    cmd = ["sbatch", "--parsable", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={min(2, cluster.cpus)}",
+           "--time=10", "--job-name=cp_ext_signal", str(SCRIPT), "configs/cpu_demo.yaml",
+           "--tensor-model-parallel-size", "1", "--train-iters", "500", "--lr-warmup-iters", "1", "--log-interval", "1",
+           "--save", str(save), "--log-dir", str(run_dir)]
+    job = cluster.run(cmd, check=True, env=env, cwd=REPO_ROOT).stdout.strip().split(";")[0]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    assert metrics.exists(), f"the job never trained:\n{out.read_text() if out.exists() else ''}\n{cluster.logs()}"
+    cluster.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    deadline, info = time.time() + 240, ""
+    while time.time() < deadline:
+        info = job_info(cluster, job)
+        if info is None or "JobState=RUNNING" not in info and "JobState=PENDING" not in info:
+            break
+        time.sleep(0.5)
+    log = out.read_text()
+    context = f"{info}\n--- job log ---\n{log[-6000:]}"
+    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info), context
+    assert "cp_ext: USR1 (time limit near): SIGTERM to the training ranks" in log, context
+    assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in log, context
+    stopped = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= stopped < 500 and len(metrics.read_text().splitlines()) == stopped, context

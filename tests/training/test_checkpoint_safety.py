@@ -11,7 +11,6 @@ Then real 2-rank runs: the two scheduler flags, ``--no-load-optim`` and ``--fine
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from cp_ext.arguments import ConfigError, parse_args
-from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER, read_checkpoint_file
+from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
 from tests.launch import REPO_ROOT
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -36,9 +35,7 @@ def _fake_checkpoint(root, iteration, model_changes=None, **schedule_changes):
     model.update(model_changes or {})
     directory = root / f"iter_{iteration:07d}"
     directory.mkdir(parents=True)
-    meta = {"iteration": iteration, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "schedule": schedule,
-            "model": model}
+    meta = {"iteration": iteration, "format": "torch_dist", "schedule": schedule, "model": model}
     (directory / META).write_text(json.dumps(meta))
     (root / TRACKER).write_text(f"{iteration}\n")
     return root
@@ -88,7 +85,7 @@ def test_changed_schedule_needs_one_of_megatrons_flags(tmp_path):
 def test_save_warns_when_the_disk_is_short(tmp_path, capsys):
     import shutil
 
-    from cp_ext.training.checkpointing import checkpoint_bytes_estimate
+    from cp_ext.training.checkpoint_checks import checkpoint_bytes_estimate
 
     big = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000"]
     args = parse_args(FLAGS + big + ["--save", str(tmp_path / "ck")], world_size=1)
@@ -107,35 +104,20 @@ def test_another_models_checkpoint_is_refused_at_startup(tmp_path):
     assert "--num-experts 4 (checkpoint: 8)" in message
 
 
-class _RunsCode:
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
-
-
-def test_crafted_and_truncated_files_are_refused_by_name(tmp_path):
-    crafted = tmp_path / "model_optim_rng.pt"
-    torch.save({"model": _RunsCode()}, crafted)
-    with pytest.raises(RuntimeError) as info:
-        read_checkpoint_file(crafted)
-    assert str(crafted) in str(info.value) and "weights_only=True" in str(info.value)
-    good = tmp_path / "good.pt"
-    torch.save({"w": torch.ones(3), "step": 4, "name": "x", "betas": (0.9, 0.95)}, good)
-    assert read_checkpoint_file(good)["step"] == 4
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(good.read_bytes()[:100])
-    with pytest.raises(RuntimeError) as info:
-        read_checkpoint_file(truncated)
-    assert str(truncated) in str(info.value) and "truncated or corrupt" in str(info.value)
-    assert pickle.HIGHEST_PROTOCOL  # (pickle is what a crafted checkpoint abuses)
+def test_a_checkpoint_of_the_old_per_rank_format_is_named(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ck", 4)
+    meta = ckpt / "iter_0000004" / META
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "format"}))
+    assert "written by an earlier cp_ext in per-rank files" in _error(["--load", str(ckpt)])
 
 
 # ----------------------------------------------------------------------------- real runs
 
 
-def _run(*args, fails=False):
+def _run(*args, fails=False, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--expert-model-parallel-size", "2", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
     assert (proc.returncode != 0) == fails, proc.stderr[-6000:]  # torchrun reports a rank's exit 2 as 1
     return proc
@@ -148,8 +130,43 @@ def _metrics(log_dir):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
-    _run("--save", root / "ck", "--exit-interval", "4", "--log-dir", root / "first")
+    _run("--save", root / "ck", "--save-interval", "2", "--exit-interval", "4", "--log-dir", root / "first")
     return root / "ck", _metrics(root / "first")
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > " + os.environ.get("PWNED_FILE", "/dev/null"),))
+
+
+def test_crafted_and_truncated_checkpoints_are_refused_by_name(saved, tmp_path):
+    """A crafted common.pt does not run (weights_only=True) and is named; a truncated tensor file is
+    named with the hint; --ckpt-fallback then loads the previous complete checkpoint."""
+    import shutil
+
+    ckpt, first = saved
+    crafted = tmp_path / "crafted"
+    shutil.copytree(ckpt, crafted)
+    torch.save({"iteration": 4, "args": _RunsCode()}, crafted / "iter_0000004" / "common.pt")
+    pwned = tmp_path / "pwned"
+    refused = _run("--load", crafted, "--log-dir", tmp_path / "a", fails=True, env={"PWNED_FILE": str(pwned)})
+    assert not pwned.exists(), "a crafted checkpoint ran code"
+    assert refused.stderr.count(f"{crafted / 'iter_0000004'}: refused to load") == 1, refused.stderr[-3000:]
+    assert "[rank0]: Traceback" not in refused.stderr and "weights_only=True" in refused.stderr
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ckpt, truncated)
+    shard = sorted((truncated / "iter_0000004").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:200])
+    broken = _run("--load", truncated, "--log-dir", tmp_path / "b", fails=True)
+    assert broken.stderr.count(f"{truncated / 'iter_0000004'}: unreadable checkpoint") == 1, broken.stderr[-3000:]
+    assert "--ckpt-fallback" in broken.stderr and "[rank0]: Traceback" not in broken.stderr
+    fell_back = _run("--load", truncated, "--ckpt-fallback", "--log-dir", tmp_path / "c")
+    assert "trying iteration 2" in fell_back.stdout and "loaded checkpoint of iteration 2" in fell_back.stdout
+    resumed = _metrics(tmp_path / "c")
+    assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
+    for it in (3, 4):
+        assert resumed[it]["train/lm_loss"] == pytest.approx(first[it]["train/lm_loss"], rel=1e-6)
 
 
 def test_resume_with_a_new_lr_follows_the_flag(saved, tmp_path):
