@@ -27,7 +27,7 @@ FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--nu
 
 
 def _fake_checkpoint(root, iteration, model_changes=None, **schedule_changes):
-    """A checkpoint directory as save_checkpoint lays it out (meta.json + tracker)."""
+    """What parse-time checks read of a checkpoint directory (meta.json + tracker)."""
     args = parse_args(FLAGS, world_size=1)
     schedule = {name: getattr(args, name) for name in SCHEDULE_FLAGS}
     schedule.update(schedule_changes)
