@@ -14,7 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-from cp_ext.training.checkpointing import MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, iteration_dir, latest_iteration
+from cp_ext.training.checkpointing import (
+    MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, complete_iterations, iteration_dir, latest_iteration,
+)
 
 
 
@@ -106,8 +108,11 @@ def layout_problems(root, args):
     if iteration is None:
         return []
     meta_file = iteration_dir(root, iteration) / META
+    if not meta_file.exists() and args.ckpt_fallback and complete_iterations(root):
+        meta_file = iteration_dir(root, complete_iterations(root)[0]) / META  # what --ckpt-fallback will load
     if not meta_file.exists():
-        return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"]
+        return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"
+                f"{'' if args.ckpt_fallback else ' (--ckpt-fallback loads the newest complete one instead)'}"]
     saved = json.loads(meta_file.read_text())
     if saved.get("format") != "torch_dist":
         return [f"--load {root}: iteration {iteration} was written by an earlier cp_ext in per-rank files "

@@ -15,7 +15,8 @@ the model's global parameter names) and, when loading, what the checkpoint says 
 
 Top-level keys follow Megatron-LM's `checkpointing.py`: ``model``, ``optimizer``,
 ``opt_param_scheduler``, ``iteration``, ``args`` (a Namespace with ``consumed_train_samples``),
-``checkpoint_version``, ``rng_state``, so Megatron-LM reads the same directory.
+``checkpoint_version``, ``rng_state`` (the keys and layout Megatron-LM's loader expects; not
+verified by loading with Megatron-LM itself, which is not installed here).
 """
 
 import argparse

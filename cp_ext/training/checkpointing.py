@@ -4,8 +4,8 @@ loads at any grid, written atomically.
 Why dist_checkpointing: every tensor is stored once under its global name (megatron's
 ``sharded_state_dict`` keys, the ones cp_ext's layout-invariant init already uses) with its
 shard's place in the full tensor, so a checkpoint written at one TP×PP×CP×DP×EP layout, with or
-without ``--use-distributed-optimizer``, loads at any other, and Megatron-LM reads the same
-directory. Its save once "did not finish" on CPU/gloo: megatron-core 0.16's writer processes
+without ``--use-distributed-optimizer``, loads at any other, in the layout and key names
+Megatron-LM's loader expects. Its save once "did not finish" on CPU/gloo: megatron-core 0.16's writer processes
 call ``psutil`` (not one of its dependencies) outside their error handling, die, and leave the
 parent waiting on a queue forever; cp_ext depends on psutil. The layout, Megatron-LM's::
 
@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -168,6 +169,7 @@ class Checkpointer:
             "rng": RngState(),
         }
         self._save_strategy = None
+        self._saved_here = set()  # iterations this run saved (rank 0): the only ones a save may replace
 
     def _context(self, **kw):
         return CheckpointContext(model_sharded=self.trainer.model[0].module.sharded_state_dict(), **kw)
@@ -212,11 +214,17 @@ class Checkpointer:
         if dist.get_rank() == 0:
             (tmp / META).write_text(json.dumps(self.meta(iteration), indent=1))
             _fsync_tree(tmp)
-            if final.exists():  # only this run's own earlier save of this iteration (checked at startup)
-                shutil.rmtree(final)
+            if final.exists():
+                if iteration in self._saved_here:  # this run's own earlier save of this iteration
+                    shutil.rmtree(final)
+                else:  # another run's (after --ckpt-fallback, say): kept beside, never deleted
+                    aside = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+                    os.replace(final, aside)
+                    print_rank_0(f"{final} existed (not saved by this run): moved to {aside}")
             os.replace(tmp, final)
             _fsync_dir(Path(root))
             _fsync_write(Path(root) / TRACKER, f"{iteration}\n")
+            self._saved_here.add(iteration)
             print_rank_0(f"saved checkpoint at iteration {iteration} to {final}")
         dist.barrier()
 

@@ -161,8 +161,11 @@ def test_crafted_and_truncated_checkpoints_are_refused_by_name(saved, tmp_path):
     broken = _run("--load", truncated, "--log-dir", tmp_path / "b", fails=True)
     assert broken.stderr.count(f"{truncated / 'iter_0000004'}: unreadable checkpoint") == 1, broken.stderr[-3000:]
     assert "--ckpt-fallback" in broken.stderr and "[rank0]: Traceback" not in broken.stderr
-    fell_back = _run("--load", truncated, "--ckpt-fallback", "--log-dir", tmp_path / "c")
+    fell_back = _run("--load", truncated, "--ckpt-fallback", "--save", truncated, "--save-interval", "2",
+                     "--log-dir", tmp_path / "c")
     assert "trying iteration 2" in fell_back.stdout and "loaded checkpoint of iteration 2" in fell_back.stdout
+    # its save of iteration 4 keeps the unreadable one beside it, never deletes it
+    assert len(list(truncated.glob("iter_0000004.replaced-*"))) == 1 and (truncated / TRACKER).read_text() == "8\n"
     resumed = _metrics(tmp_path / "c")
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
     for it in (3, 4):
