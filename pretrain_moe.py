@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
 
-from cp_ext.arguments import parse_args_or_exit  # noqa: E402
+from cp_ext.arguments import ConfigError, parse_args_or_exit  # noqa: E402
 
 
 def main(argv=None):
@@ -29,11 +29,20 @@ def main(argv=None):
     try:
         trainer = Trainer(args)
     except CheckpointReadError as e:  # every rank reads the same files: one message, from rank 0
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_moe.py: cannot load the checkpoint: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    trainer.train()
+        _fail_once(f"cannot load the checkpoint: {e}", 1)
+    except ConfigError as e:  # found once the data is open (a split too small for --eval-iters)
+        _fail_once(f"configuration error:\n{e}", 2)
+    if args.skip_train:
+        trainer.evaluate_only()
+    else:
+        trainer.train()
     trainer.shutdown()
+
+
+def _fail_once(message, status):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_moe.py: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,19 @@ def _add_data_args(parser):
     g.add_argument("--data-path", nargs="+", default=None,
                    help="Megatron indexed dataset prefixes, optionally weighted: [W1] P1 [W2 P2 ...] "
                         "(default: the embedded stdlib corpus)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights (only train is used)")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights of --data-path's documents (valid/test are used by --eval-interval)")
+    g.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="the validation split's own dataset prefixes ([W1] P1 ...), instead of --split's share")
+    g.add_argument("--test-data-path", nargs="+", default=None,
+                   help="the test split's own dataset prefixes ([W1] P1 ...), instead of --split's share")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations (and on the test split at the end of training); "
+                        "off when not given")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per evaluation, the same samples each time (0: no evaluation)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate the valid and test splits once (with --load, the checkpoint) and exit")
     g.add_argument("--tokenizer-type", choices=["ByteTokenizer", "HuggingFaceTokenizer"], default="ByteTokenizer")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
     g.add_argument("--data-cache-path", default=None,
@@ -439,10 +451,51 @@ def _attention_problems(args):
     return p
 
 
+def split_weights(split):
+    """--split "969,30,1" -> [969.0, 30.0, 1.0] (Megatron pads a short list with zeros); ValueError if malformed."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split}: expected up to three comma-separated weights, e.g. 969,30,1") from None
+    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or weights[0] <= 0:
+        raise ValueError(f"--split {split}: expected up to three weights >= 0 with train's > 0, e.g. 969,30,1")
+    return weights + [0.0] * (3 - len(weights))
+
+
+def evaluation_splits(args):
+    """The splits evaluation uses ("valid", "test"): those with data of their own or a --split share."""
+    if not (args.eval_interval or args.skip_train) or args.eval_iters == 0:
+        return []
+    if args.synthetic_task:
+        return ["valid", "test"]
+    weights = split_weights(args.split)
+    return [name for i, name in ((1, "valid"), (2, "test"))
+            if getattr(args, f"{name}_data_path") or weights[i] > 0]
+
+
+def _eval_problems(args):
+    p = []
+    if args.eval_interval is not None and args.eval_interval < 1:
+        p.append(f"--eval-interval {args.eval_interval}: must be >= 1 (leave it out for no evaluation)")
+    if args.eval_iters < 0:
+        p.append(f"--eval-iters {args.eval_iters}: must be >= 0 (0: no evaluation)")
+    try:
+        splits = evaluation_splits(args) if not p else []
+    except ValueError as e:
+        return p + [str(e)]
+    if (args.eval_interval or args.skip_train) and args.eval_iters > 0 and "valid" not in splits:
+        p.append(f"--eval-interval needs validation data: --split {args.split} gives the valid split no documents; "
+                 f"give it a share (e.g. --split 969,30,1) or --valid-data-path")
+    return p
+
+
 def _data_problems(args):
     """Data flags; the files they name are opened (cheaply) only when given."""
     if getattr(args, "split", None) is None:  # an args namespace built without the data group
         return []
+    eval_problems = _eval_problems(args)
+    if eval_problems:
+        return eval_problems
     if args.synthetic_task and args.data_path:
         return [f"--synthetic-task {args.synthetic_task} and --data-path are exclusive; give one"]
     if args.synthetic_task:
@@ -450,7 +503,8 @@ def _data_problems(args):
     if args.tokenizer_type != "ByteTokenizer" and not args.data_path:
         return [f"--tokenizer-type {args.tokenizer_type} needs --data-path (the embedded default corpus is "
                 f"byte-tokenized); preprocess your text with tools/preprocess_data.py"]
-    if args.data_path or args.tokenizer_model or args.vocab_size is not None:
+    if (args.data_path or args.valid_data_path or args.test_data_path or args.tokenizer_model
+            or args.vocab_size is not None):
         from cp_ext.data.datasets import data_file_problems
 
         return data_file_problems(args)

@@ -261,3 +261,31 @@ def test_overlap_flags_parse(cuda_host):
     args = parse_args(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], world_size=2)
     assert args.overlap_grad_reduce and args.overlap_param_gather
     assert not parse_args([], world_size=2).overlap_grad_reduce
+
+
+@pytest.mark.parametrize(
+    "argv, must_name",
+    [
+        (["--eval-interval", "0"], ["--eval-interval 0: must be >= 1"]),
+        (["--eval-interval", "5", "--eval-iters", "-1"], ["--eval-iters -1: must be >= 0"]),
+        (["--eval-interval", "5", "--split", "100,0,0"], ["--eval-interval needs validation data", "--valid-data-path"]),
+        (["--eval-interval", "5", "--split", "abc"], ["--split abc: expected up to three"]),
+        (["--skip-train", "--split", "1"], ["--eval-interval needs validation data"]),
+        (["--eval-interval", "5", "--valid-data-path", "/nonexistent/prefix"], ["/nonexistent/prefix"]),
+    ],
+    ids=["interval-0", "iters-negative", "no-valid-split", "split-malformed", "skip-train-without-valid",
+         "missing-valid-data"],
+)
+def test_bad_evaluation_flags_name_the_flag(argv, must_name):
+    message = _error(argv, 1)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_evaluation_splits():
+    from cp_ext.arguments import evaluation_splits, parse_args
+
+    assert evaluation_splits(parse_args(["--eval-interval", "5"], world_size=1)) == ["valid", "test"]
+    assert evaluation_splits(parse_args(["--eval-interval", "5", "--split", "9,1,0"], world_size=1)) == ["valid"]
+    assert evaluation_splits(parse_args(["--eval-interval", "5", "--eval-iters", "0"], world_size=1)) == []
+    assert evaluation_splits(parse_args([], world_size=1)) == []  # off unless asked for, unlike Megatron-LM

@@ -332,7 +332,8 @@ def build_parser():
                     "online wandb run path entity/project/run_id). Exit 0 agree, 1 differ, 2 bad input.")
     p.add_argument("run_a", metavar="RUN_A")
     p.add_argument("run_b", metavar="RUN_B")
-    p.add_argument("--key", default=DEFAULT_KEY, help=f"metric to compare (default {DEFAULT_KEY})")
+    p.add_argument("--key", "--metric", dest="key", default=DEFAULT_KEY,
+                   help=f"metric to compare, e.g. valid/lm_loss for validation curves (default {DEFAULT_KEY})")
     p.add_argument("--tolerance", type=float, default=1e-5, metavar="REL",
                    help="max relative difference |a-b|/max(|a|,|b|) per iteration (default 1e-5)")
     p.add_argument("--atol", type=float, default=None,

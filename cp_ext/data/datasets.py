@@ -62,28 +62,72 @@ def data_file_problems(args) -> list:
     if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
         return [f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocab {tokenizer.vocab_size} "
                 f"(--tokenizer-type {args.tokenizer_type}); drop --vocab-size or use >= {tokenizer.vocab_size}"]
-    if not args.data_path:
-        return []
-    try:
-        prefixes, _ = parse_blend(args.data_path)
-    except ValueError as e:
-        return [str(e)]
     vocab = args.vocab_size or tokenizer.vocab_size
-    return [msg for prefix in prefixes for msg in indexed_dataset_problems(prefix, vocab)]
+    problems = []
+    for flag in ("data_path", "valid_data_path", "test_data_path"):
+        paths = getattr(args, flag, None)
+        if not paths:
+            continue
+        try:
+            prefixes, _ = parse_blend(paths)
+        except ValueError as e:
+            problems.append(str(e).replace("--data-path", "--" + flag.replace("_", "-")))
+            continue
+        problems.extend(msg for prefix in prefixes for msg in indexed_dataset_problems(prefix, vocab))
+    return problems
+
+
+SPLITS = ("train", "valid", "test")
 
 
 def build_train_dataset(args) -> TrainDataset:
     """The train split for `args` (collective when torch.distributed is initialized)."""
-    num_samples = args.train_iters * args.global_batch_size
+    return build_split_dataset(args, "train", args.train_iters * args.global_batch_size)
+
+
+def build_eval_dataset(args, split) -> TrainDataset:
+    """The valid or test split: ``--eval-iters`` global batches, the same samples at every evaluation.
+
+    From ``--valid-data-path`` / ``--test-data-path`` when given (Megatron's per-split blends),
+    else from --split's share of --data-path (or of the embedded corpus); the passkey task
+    draws another seed per split. Raises ValueError, naming the flags, when the split holds
+    fewer distinct samples than ``--eval-iters`` asks for (they would repeat)."""
+    num_samples = args.eval_iters * args.global_batch_size
+    dataset = build_split_dataset(args, split, num_samples)
+    distinct = getattr(dataset, "distinct_samples", None)
+    if distinct is not None and distinct < num_samples:
+        raise ValueError(
+            f"--eval-iters {args.eval_iters} x --global-batch-size {args.global_batch_size} = {num_samples} {split} "
+            f"samples, but the {split} split holds {distinct} of --seq-length {args.seq_length}; lower --eval-iters "
+            f"or give the split more data (--split {args.split}{', --' + split + '-data-path' if split != 'train' else ''})")
+    return dataset
+
+
+def build_split_dataset(args, split, num_samples) -> TrainDataset:
     if args.synthetic_task == "passkey":
         from cp_ext.data.passkey import PasskeyDataset
 
-        data = PasskeyDataset(args.seq_length, num_samples, args.data_seed)
+        data = PasskeyDataset(args.seq_length, num_samples, args.data_seed + SPLITS.index(split))
         return TrainDataset(data, data.vocab_size, num_samples, args.seq_length)
-    return _build_gpt_dataset(args, num_samples)
+    return _build_gpt_dataset(args, split, num_samples)
 
 
-def _build_gpt_dataset(args, num_samples):
+def _documents_in_split(config, index, dataset_class):
+    """Fewest documents split `index` takes from any of its prefixes (megatron's own rounding)."""
+    if config.blend_per_split:
+        prefixes, bounds = config.blend_per_split[index][0], (0.0, 1.0)
+    else:
+        prefixes, bounds = config.blend[0], config.split_matrix[index]
+    if bounds is None:
+        return 0
+    counts = []
+    for prefix in prefixes:
+        n = dataset_class.numel_low_level_dataset(dataset_class.build_low_level_dataset(prefix, config))
+        counts.append(int(round(bounds[1] * n)) - int(round(bounds[0] * n)))
+    return min(counts)
+
+
+def _build_gpt_dataset(args, split, num_samples):
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -97,11 +141,18 @@ def _build_gpt_dataset(args, num_samples):
     else:
         cache = cache or default_cache_dir()
         blend = ([embedded_prefix(cache)], None)
+    index = SPLITS.index(split)
+    own_path = getattr(args, f"{split}_data_path", None) if split != "train" else None
+    blend_per_split, split_weights = None, args.split
+    if own_path:  # Megatron's --valid-data-path / --test-data-path: this split's own blend
+        blend_per_split, blend, split_weights = [None, None, None], None, None
+        blend_per_split[index] = parse_blend(own_path)
     config = GPTDatasetConfig(
         random_seed=args.data_seed,
         sequence_length=args.seq_length,
         blend=blend,
-        split=args.split,
+        blend_per_split=blend_per_split,
+        split=split_weights,
         path_to_cache=cache,  # None: Megatron's default, next to the data
         tokenizer=tokenizer,
         # Megatron-LM's defaults: one position per token of the sample, loss on every token.
@@ -116,8 +167,17 @@ def _build_gpt_dataset(args, num_samples):
             return True
         return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
 
-    # Only the train split is used: its documents are the ones --split assigns it, and the
-    # valid/test splits are not built (an empty split would loop forever in GPTDataset).
-    config.split_matrix = [config.split_matrix[0], None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], reads_data, config).build()
-    return TrainDataset(train, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length)
+    # Only the asked split is built: its documents are the ones --split assigns it, and the
+    # others are not (an empty split would loop forever in GPTDataset).
+    if own_path is None:
+        config.split_matrix = [m if i == index else None for i, m in enumerate(config.split_matrix)]
+    if _documents_in_split(config, index, GPTDataset) == 0:  # GPTDataset would loop forever on it
+        raise ValueError(f"the {split} split holds no documents (--split {args.split} of "
+                         f"{' '.join(args.data_path or ['the embedded corpus'])}); give it a larger share or "
+                         f"--{split}-data-path")
+    sizes = [num_samples if i == index else 0 for i in range(3)]
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, reads_data, config).build()[index]
+    dataset = TrainDataset(built, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length)
+    if isinstance(built, GPTDataset):  # one prefix: how many distinct samples the split holds
+        dataset.distinct_samples = (built._get_num_tokens_per_epoch() - 1) // args.seq_length
+    return dataset

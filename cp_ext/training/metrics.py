@@ -73,6 +73,15 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iteration"}, step=iteration)
 
+    def log_values(self, iteration, values):
+        """A line of other values at `iteration` (evaluation: ``valid/lm_loss``, ...), to wandb too."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"iteration": iteration, **values}) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=iteration)
+
     def close(self):
         if not self.enabled:
             return

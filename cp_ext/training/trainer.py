@@ -31,12 +31,14 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 
 from cp_ext import parallel_state as cp_state
+from cp_ext.arguments import ConfigError, evaluation_splits
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
-from cp_ext.data.datasets import build_train_dataset
+from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
 from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, release_save_lock
+from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
 from cp_ext.training.optimizer import build_optimizer
@@ -101,6 +103,14 @@ class Trainer:
         if args.save:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
         self.dataset = build_train_dataset(args)
+        self.eval_datasets = {}
+        for split in evaluation_splits(args):
+            try:
+                self.eval_datasets[split] = build_eval_dataset(args, split)
+            except ValueError as e:  # an empty split, or one too small for --eval-iters
+                if split == "valid":
+                    raise ConfigError(f"  - --eval-interval: {e}") from None
+                print_rank_0(f"note: no evaluation on the {split} split: {e}")
         vocab = args.vocab_size or self.dataset.vocab_size
         args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
@@ -162,8 +172,8 @@ class Trainer:
         metrics.update(self._aux_losses())
         return metrics
 
-    def _global_lm_loss(self, reports):
-        """Token-weighted mean loss of the whole global batch, known on every rank.
+    def lm_loss_sums(self, reports):
+        """This rank's (loss sum, token count) of the microbatches it ran.
 
         Only last-stage, TP-rank-0 ranks contribute (TP ranks hold replicas of the same
         loss); CP and DP ranks hold disjoint tokens, so a world sum is the global sum.
@@ -172,6 +182,11 @@ class Trainer:
         if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
             for report in reports:
                 total += report["lm loss"].to(torch.float64)
+        return total
+
+    def _global_lm_loss(self, reports):
+        """Token-weighted mean loss of the whole global batch, known on every rank."""
+        total = self.lm_loss_sums(reports)
         dist.all_reduce(total)
         return (total[0] / total[1].clamp(min=1)).item()
 
@@ -193,8 +208,7 @@ class Trainer:
         args = self.args
         tokens_per_iteration = args.global_batch_size * args.seq_length
         log = IterationLog(args, tokens_per_iteration=tokens_per_iteration)
-        args.log_dir = args.log_dir or default_log_dir(args)
-        self.metrics = MetricsLogger(args, start_iteration=self.iteration)
+        self.open_metrics()
         print_rank_0(
             f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
             f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
@@ -217,6 +231,8 @@ class Trainer:
                 print_rank_0(f"received SIGTERM (--exit-signal-handler): "
                              f"{'saving and ' if args.save else ''}exiting after iteration {self.iteration}")
                 exiting = True
+            if args.eval_interval and self.iteration % args.eval_interval == 0 and "valid" in self.eval_datasets:
+                evaluate_and_report(self, "valid", f"iteration {self.iteration}")
             if args.save and (self.iteration == args.train_iters or exiting
                               or (args.save_interval and self.iteration % args.save_interval == 0)):
                 self.checkpointer.save(args.save)
@@ -229,6 +245,8 @@ class Trainer:
         if args.overlap_param_gather:  # the last step's parameter all-gather waits for a next forward: run it now
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
+        if args.eval_interval and "test" in self.eval_datasets and history:
+            evaluate_and_report(self, "test", f"iteration {self.iteration} on test set")
         self.metrics.close()
         if history:
             first = self.iteration - len(history) + 1
@@ -238,6 +256,18 @@ class Trainer:
             )
         self.report_peak_memory()
         return history
+
+    def open_metrics(self):
+        self.args.log_dir = self.args.log_dir or default_log_dir(self.args)
+        self.metrics = MetricsLogger(self.args, start_iteration=self.iteration)
+
+    def evaluate_only(self):
+        """--skip-train: the valid and test splits once, at the loaded iteration (Megatron's wording)."""
+        self.open_metrics()
+        results = {split: evaluate_and_report(self, split, f"iteration {self.iteration} on {SPLIT_NAMES[split]} set")
+                   for split in self.eval_datasets}
+        self.metrics.close()
+        return results
 
     def report_peak_memory(self):
         """Rank 0 prints every rank's peak memory (metrics.jsonl holds rank 0's only)."""

@@ -266,3 +266,20 @@ def test_online_reader_maps_steps_and_values(monkeypatch):
     monkeypatch.setattr(wandb, "Api", FakeApi)
     c = clc.load_curve("https://wandb.ai/team/proj/runs/abc123", "train/lm_loss")
     assert (c.kind, c.values) == ("wandb-online", {1: 5.0, 2: 4.5})
+
+
+def test_validation_curves_with_metric(tmp_path):
+    """--metric valid/lm_loss reads the evaluation lines metrics.jsonl holds between training lines."""
+    def with_valid(path, shift):
+        write_jsonl(path, curve())
+        with open(path, "a") as f:
+            for it in (5, 10, 15):
+                f.write(json.dumps({"iteration": it, "valid/lm_loss": 3.0 + shift - it / 100}) + "\n")
+        return path
+
+    a, b = with_valid(tmp_path / "a.jsonl", 0.0), with_valid(tmp_path / "b.jsonl", 0.0)
+    proc = run_tool(a, b, "--metric", "valid/lm_loss")
+    assert proc.returncode == 0 and "valid/lm_loss" in proc.stdout, proc.stdout + proc.stderr
+    c = with_valid(tmp_path / "c.jsonl", 0.01)
+    assert run_tool(a, c).returncode == 0  # train loss agrees
+    assert run_tool(a, c, "--metric", "valid/lm_loss").returncode == 1

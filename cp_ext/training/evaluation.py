@@ -1,0 +1,76 @@
+"""Validation and test loss under every parallel layout, as Megatron-LM reports it.
+
+    --eval-interval N   evaluate the valid split every N iterations; at the end of training
+                        the test split ("validation loss at iteration N on test set")
+    --eval-iters K      K global batches per evaluation: samples [0, K x GBS) of the split,
+                        the same ones every time and at every grid, so values compare
+    --skip-train        evaluate both splits once (with --load: the checkpoint) and exit
+
+The forward runs through megatron's schedule with ``forward_only=True`` (1F1B when PP > 1),
+in eval mode and without grad; each CP rank computes the loss of its shard of every sample and
+the loss is summed over the global token count exactly as in training (`Trainer.lm_loss_sums`),
+so CP=N gives CP=1's value. Training is not disturbed: no RNG is drawn (eval mode has no
+dropout), the data position is training's own, and the MoE aux-loss tracker is cleared after.
+"""
+
+import math
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+from cp_ext.training.batches import microbatches
+from cp_ext.training.logging import print_rank_0
+
+SPLIT_NAMES = {"valid": "validation", "test": "test"}
+
+
+def evaluate(trainer, dataset, eval_iters):
+    """Token-weighted mean LM loss over `eval_iters` global batches of `dataset` (collective)."""
+    from cp_ext.training.trainer import forward_step
+
+    args = trainer.args
+    overlap = args.use_distributed_optimizer and args.overlap_param_gather
+    for chunk in trainer.model:
+        if overlap:  # as Megatron-LM: gather the parameters now, no prefetch hooks during evaluation
+            chunk.disable_forward_pre_hook()
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=trainer.device)
+    with torch.no_grad():
+        for k in range(eval_iters):
+            data = microbatches(
+                dataset, consumed_samples=k * args.global_batch_size, global_batch_size=args.global_batch_size,
+                micro_batch_size=args.micro_batch_size, dp_rank=trainer.dp_rank, dp_size=trainer.dp_size,
+                device=trainer.device, positions=trainer.cp_positions,
+                first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+            )
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data, model=trainer.model,
+                num_microbatches=trainer.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True,
+            )
+            total += trainer.lm_loss_sums(reports)
+    for chunk in trainer.model:
+        chunk.train()
+        if overlap:
+            chunk.enable_forward_pre_hook()
+    clear_aux_losses_tracker()
+    torch.distributed.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def validation_block(prefix, loss):
+    """Megatron-LM's `evaluate_and_print_results` lines, framed by dashes."""
+    line = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+def evaluate_and_report(trainer, split, prefix):
+    """Evaluate `split`, print Megatron's block on rank 0, log ``<split>/lm_loss(_ppl)``; returns the loss."""
+    loss = evaluate(trainer, trainer.eval_datasets[split], trainer.args.eval_iters)
+    print_rank_0(validation_block(prefix, loss))
+    trainer.metrics.log_values(trainer.iteration, {f"{split}/lm_loss": loss,
+                                                   f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))})
+    return loss
