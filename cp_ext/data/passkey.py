@@ -24,10 +24,14 @@ DIGITS = FILLER + 2  # digit d of key slot i is DIGITS + 10 * i + d
 
 
 class PasskeyDataset:
-    def __init__(self, seq_length: int, num_samples: int, seed: int, key_length: int = 4):
+    """`depth` (evaluation): the key starts at that fraction of the room before the query (0: the
+    first token, 1: just before the query) instead of training's random start in [S/4, S/2 - K)."""
+
+    def __init__(self, seq_length: int, num_samples: int, seed: int, key_length: int = 4, depth: float = None):
         if seq_length // 2 - key_length - 1 <= seq_length // 4:
             raise ValueError(f"--seq-length {seq_length} is too short for a {key_length}-digit passkey; use >= 32")
         self.seq_length, self.num_samples, self.seed, self.key_length = seq_length, num_samples, seed, key_length
+        self.depth = depth
         self.vocab_size = DIGITS + 10 * key_length
 
     def __len__(self):
@@ -39,6 +43,8 @@ class PasskeyDataset:
         text = rng.integers(0, FILLER, size=s + 1)
         key = DIGITS + 10 * np.arange(k_len) + rng.integers(0, 10, size=k_len)
         start = int(rng.integers(s // 4, s // 2 - k_len))
+        if self.depth is not None:
+            start = min(max(int(round(self.depth * (s - 2 * k_len - 2))), 0), s - 2 * k_len - 2)
         text[start], text[start + 1 : start + 1 + k_len] = KEY, key
         text[s - k_len], text[s - k_len + 1 :] = QUERY, key
         text = torch.from_numpy(text)
