@@ -12,10 +12,11 @@ the checkpoint's shape is checked against them); the checkpoint's weights are lo
   as a fraction of the room before the query, `cp_ext.data.passkey`); the greedy answer is read
   from the logits at the answer positions (argmax over the full vocabulary, gathered over TP),
   each CP rank judging the answer digits in its shard; a sample is right when every digit is.
-* **loss by position**: the mean per-token loss (every token) in ``--position-buckets`` equal
-  buckets of global position over ``--samples`` samples of the run's own validation data (the
-  valid split of --data-path or the embedded corpus; with --synthetic-task passkey, held-out
-  passkey samples, whose filler is random: about ln 32 everywhere but the key's echo).
+* **loss by position**: the mean loss of the tokens the run trains on (its loss mask) in
+  ``--position-buckets`` equal buckets of global position, over ``--samples`` samples of the run's
+  own validation data (the valid split of --data-path or the embedded corpus: every token; with
+  --synthetic-task passkey, held-out passkey samples: the answer digits only, so only the last
+  bucket has a value and the others are null).
 * **peak memory per rank** after the length (peak RSS on CPU, CUDA max allocated on GPU).
 
 Writes ``results.json`` and ``long_context.png`` (accuracy heat map length x depth; loss vs
@@ -88,7 +89,6 @@ def _answer_step(collected, data_iterator, model):
 
 def _loss_step(collected, buckets, length, data_iterator, model):
     """Forward with labels (per-token losses); records loss sums and counts per position bucket."""
-    import torch
     from megatron.core import parallel_state
 
     batch = next(data_iterator)
@@ -97,7 +97,7 @@ def _loss_step(collected, buckets, length, data_iterator, model):
     def bucketize(output):
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             index = (batch.position_ids * buckets // length).reshape(-1)
-            mask = torch.ones_like(output, dtype=torch.float32).reshape(-1)  # every token counts
+            mask = batch.loss_mask.reshape(-1)  # the tokens the run trains on
             collected[0].index_add_(0, index, (output.float().reshape(-1) * mask).double())
             collected[1].index_add_(0, index, mask.double())
         return output.sum() * 0.0, 1, {}
@@ -155,7 +155,7 @@ def evaluate_length(trainer, tool, length):
     _run_forward(trainer, text, partial(_loss_step, sums, tool.position_buckets, length))
     for t in sums:
         dist.all_reduce(t)
-    losses = (sums[0] / sums[1].clamp(min=1)).tolist()
+    losses = [None if count == 0 else total / count for total, count in zip(sums[0].tolist(), sums[1].tolist())]
     peak = torch.tensor([float(memory_bytes())], dtype=torch.float64, device=trainer.device)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
@@ -184,7 +184,8 @@ def _plot(results, tool, path):
     for length in lengths:
         losses = results[length]["loss_by_position"]
         width = int(length) / len(losses)
-        right.plot([(b + 0.5) * width for b in range(len(losses))], losses, marker="o", label=f"L = {length}")
+        points = [((b + 0.5) * width, x) for b, x in enumerate(losses) if x is not None]
+        right.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"L = {length}")
     right.set_xlabel("position (tokens)")
     right.set_ylabel("mean loss")
     right.set_title("validation loss by position")
@@ -244,7 +245,7 @@ def main(argv=None):
     for length in tool.lengths:
         r = results[str(length)]
         acc = " ".join(f"{r['accuracy'][str(d)]:<7.2f}" for d in tool.depths)
-        loss = r["loss_by_position"]
+        loss = [x for x in r["loss_by_position"] if x is not None] or [math.nan]
         print(f"{length:<6} {acc}  {loss[0]:.3f} -> {loss[-1]:.3f}{'':12}{max(r['peak_memory_bytes']) / 2**20:.0f}")
     if not tool.no_plot:
         _plot(results, tool, out / "long_context.png")

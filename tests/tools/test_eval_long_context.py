@@ -50,7 +50,7 @@ def test_cp2_equals_cp1(evaluated):
     for length in one:
         assert one[length]["accuracy"] == two[length]["accuracy"], length
         for a, b in zip(one[length]["loss_by_position"], two[length]["loss_by_position"]):
-            assert abs(a - b) <= 1e-5 * abs(a), (length, a, b)
+            assert (a is None and b is None) or abs(a - b) <= 1e-5 * abs(a), (length, a, b)
         assert len(two[length]["peak_memory_bytes"]) == 2 and min(two[length]["peak_memory_bytes"]) > 0
 
 
@@ -59,10 +59,10 @@ def test_outputs_and_table(evaluated):
     assert record["layout"].startswith("TP 1 x PP 1 x CP 2")
     assert (out_dir / "long_context.png").stat().st_size > 10_000
     assert "length d=0.2   d=0.8" in stdout and stdout.count("\n64 ") == 1 and stdout.count("\n128 ") == 1
-    # trained at 64 tokens: the loss-by-position curve is finite and the passkey answers are judged
+    # passkey data: only the answer digits (the last bucket) carry loss; the answers are judged
     for length in ("64", "128"):
         losses = record["results"][length]["loss_by_position"]
-        assert len(losses) == 4 and all(0 < x < 10 for x in losses)
+        assert losses[:3] == [None, None, None] and 0 < losses[3] < 10
         assert all(0.0 <= v <= 1.0 for v in record["results"][length]["accuracy"].values())
 
 
