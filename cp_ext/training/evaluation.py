@@ -22,14 +22,13 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
 from cp_ext.training.batches import microbatches
 from cp_ext.training.logging import print_rank_0
+from cp_ext.training.steps import forward_step
 
 SPLIT_NAMES = {"valid": "validation", "test": "test"}
 
 
 def evaluate(trainer, dataset, eval_iters):
     """Token-weighted mean LM loss over `eval_iters` global batches of `dataset` (collective)."""
-    from cp_ext.training.trainer import forward_step
-
     args = trainer.args
     overlap = args.use_distributed_optimizer and args.overlap_param_gather
     for chunk in trainer.model:

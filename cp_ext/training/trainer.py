@@ -14,7 +14,6 @@ exact on CPU/gloo too: tests/training/test_overlap.py).
 
 import time
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger, default_log_dir
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.signals import ExitSignalHandler
+from cp_ext.training.steps import forward_step
 
 
 def initialize_distributed(args, device):
@@ -64,16 +64,6 @@ def initialize_distributed(args, device):
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def loss_func(loss_mask, output_tensor):
-    """Sum of masked per-token losses and their count; megatron divides by the global count."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": report}
-
-
 def attention_kernel_line(config, device):
     """The startup line saying which local attention kernel runs (what ``auto`` picked)."""
     from cp_ext.attention.kernels import choose_kernel, dtype_name
@@ -87,12 +77,6 @@ def attention_kernel_line(config, device):
     if config.context_parallel_size == 1:  # CoreAttention keeps F.scaled_dot_product_attention there
         line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
     return line
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
-    return output, partial(loss_func, batch.loss_mask)
 
 
 class Trainer:

@@ -1,0 +1,26 @@
+"""One microbatch through the model, and its loss as megatron's schedules want it.
+
+Shared by training (`Trainer.train_step`) and evaluation (`cp_ext.training.evaluation`): the
+loss is returned as a sum with its token count, so megatron divides by the global count over
+DP x CP and every layout gives the same mean.
+"""
+
+from functools import partial
+
+import torch
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of masked per-token losses and their count; megatron divides by the global count."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    return output, partial(loss_func, batch.loss_mask)
