@@ -75,6 +75,46 @@ def test_a_split_too_small_for_eval_iters_is_one_clear_error(tmp_path):
     assert "exitcode  : 2" in proc.stderr and "[rank0]: Traceback" not in proc.stderr
 
 
+def _run(tmp_path, name, *flags):
+    import json
+    import os
+    import subprocess
+
+    from tests.launch import REPO_ROOT
+
+    log_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO_ROOT / "pretrain_moe.py"), *BASE, "--eval-interval", "2", "--context-parallel-size", "2",
+           "--log-dir", str(log_dir), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout, {(r["iteration"], k): v for r in lines for k, v in r.items() if k.startswith(("valid/", "test/"))}
+
+
+def test_the_training_loop_evaluates_every_interval_and_the_test_split_at_the_end(tmp_path):
+    """--eval-interval 2 over 4 iterations: Megatron's block at 2 and 4, the test split at the end,
+    each value in metrics.jsonl; --valid-data-path / --test-data-path replace --split's shares."""
+    import math
+
+    from cp_ext.data.embedded import default_cache_dir, embedded_prefix
+
+    stdout, values = _run(tmp_path, "split", "--split", "80,10,10")
+    assert stdout.count(" validation loss at iteration 2 | lm loss value: ") == 1
+    assert stdout.count(" validation loss at iteration 4 | lm loss value: ") == 1
+    assert stdout.count(" validation loss at iteration 4 on test set | lm loss value: ") == 1
+    assert sorted(values) == [(2, "valid/lm_loss"), (2, "valid/lm_loss_ppl"), (4, "test/lm_loss"),
+                              (4, "test/lm_loss_ppl"), (4, "valid/lm_loss"), (4, "valid/lm_loss_ppl")]
+    assert values[(4, "valid/lm_loss_ppl")] == pytest.approx(math.exp(values[(4, "valid/lm_loss")]))
+    assert values[(4, "valid/lm_loss")] != values[(4, "test/lm_loss")]  # other documents
+
+    whole = embedded_prefix(default_cache_dir())  # the whole embedded corpus as each split's own data
+    _, own = _run(tmp_path, "own", "--split", "80,10,10", "--valid-data-path", whole, "--test-data-path", whole)
+    assert own[(4, "valid/lm_loss")] == pytest.approx(own[(4, "test/lm_loss")], rel=1e-12)  # same data
+    assert own[(4, "valid/lm_loss")] != values[(4, "valid/lm_loss")]  # not --split's valid share
+
+
 def _trainer(flags):
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
