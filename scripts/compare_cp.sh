@@ -15,14 +15,17 @@
 #
 # Environment: NPROC, TOLERANCE (1e-5), KEY (train/lm_loss), OUT_DIR (runs/compare_cp-<config>-cp<N>),
 # PLOT (1: write OUT_DIR/loss_curves.png when matplotlib is installed; 0: no plot).
+# NPROC and CP must be whole numbers (NPROC >= 1, CP >= 2), checked before any arithmetic
+# (scripts/env_checks.sh): anything else exits 2 before a run starts. Empty NPROC = unset.
 # Per-run logs: OUT_DIR/cp<N>/ and OUT_DIR/cp1/ (metrics.jsonl, config.yaml, train.log).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env_checks.sh"
 
 if [[ $# -lt 2 ]]; then
     echo "usage: $0 CONFIG.yaml CP [pretrain_moe.py flags...]" >&2
     exit 2
 fi
-config="$1" cp="$2"
+config="$1" CP="$2"
 shift 2
 # Paths given relative to the caller's directory stay valid after the cd to the repository.
 [[ -f "$config" ]] && config="$(realpath "$config")"
@@ -32,17 +35,17 @@ if [[ ! -f "$config" ]]; then
     echo "error: config $config: no such file" >&2
     exit 2
 fi
-if ! [[ "$cp" =~ ^[0-9]+$ ]] || [[ "$cp" -lt 2 ]]; then
-    echo "error: CP must be an integer >= 2 (got $cp)" >&2
-    exit 2
-fi
+cp_ext_int CP "" 2 "" "the second argument is the context-parallel size to compare with CP=1, e.g. 2"
+cp="$CP"
 
 python="${PYTHON:-python3}"
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
     gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
 fi
-nproc="${NPROC:-$([[ "$gpus" -gt 0 ]] && echo "$gpus" || echo 4)}"
+cp_ext_int NPROC "$([[ "$gpus" -gt 0 ]] && echo "$gpus" || echo 4)" 1 "" \
+    "set it to the ranks of each run (e.g. NPROC=4) or unset it (GPUs on the node, else 4)"
+nproc="$NPROC"
 tolerance="${TOLERANCE:-1e-5}"
 key="${KEY:-train/lm_loss}"
 out="${OUT_DIR:-runs/compare_cp-$(basename "${config%.*}")-cp${cp}}"

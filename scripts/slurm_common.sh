@@ -6,7 +6,7 @@
 #     derived from the job id unless set: the c10d rendezvous endpoint of every node's torchrun;
 #   * one `srun` task per node runs `torchrun --nnodes $SLURM_NNODES --nproc-per-node N
 #     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID
-#     pretrain_moe.py --config $CONFIG <your flags>`;
+#     --rdzv-conf join_timeout=<timeout x 60> pretrain_moe.py --config $CONFIG <your flags>`;
 #   * the job's exit status is srun's (non-zero if any rank failed);
 #   * --exit-signal-handler is on: when the #SBATCH --signal=B:USR1@180 warning reaches this
 #     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
@@ -21,6 +21,22 @@
 #   NPROC_PER_NODE    ranks per node (default: GPUs on the node; CPU mode: $SLURM_CPUS_PER_TASK)
 #   MASTER_PORT       rendezvous port (default 20000 + job id % 20000)
 #   TORCHRUN          launcher command (default: torchrun, else "python3 -m torch.distributed.run")
+#   DISTRIBUTED_TIMEOUT_MINUTES  becomes pretrain_moe.py's --distributed-timeout-minutes (below)
+#
+# Numbers are data: NPROC_PER_NODE, MASTER_PORT (1-65535), DISTRIBUTED_TIMEOUT_MINUTES and the
+# SLURM_* counts used here (SLURM_JOB_ID, SLURM_JOB_NUM_NODES, SLURM_CPUS_PER_TASK,
+# SLURM_CPUS_ON_NODE, SLURM_GPUS_ON_NODE) must be whole numbers (>= 1; GPUs >= 0), checked
+# before any arithmetic (scripts/env_checks.sh); anything else ends the job with exit 2 and a
+# message naming the variable. Empty counts as unset (the default).
+#
+# One timeout: --distributed-timeout-minutes N (default 10, pretrain_moe.py's) is how long a
+# rank waits in a collective (every process group) and also torchrun's rendezvous
+# join_timeout (N x 60 s: how long the nodes wait for each other at start; torchrun's own
+# default is 600 s). N is taken as pretrain_moe.py takes it: the last --distributed-timeout-minutes
+# among your flags, else $DISTRIBUTED_TIMEOUT_MINUTES (passed on as the flag), else
+# `distributed-timeout-minutes: N` in the config, else 10. The banner line shows it.
+# Unrelated to it: NCCL_IB_TIMEOUT (a verbs retry exponent, below) and the --signal=B:USR1@180
+# lead time (one iteration plus a save must fit in it; raise it with sbatch --signal=B:USR1@600).
 #
 # Communication settings (GPU). Exported only where unset, so a site profile or the
 # submitting shell wins:
@@ -42,12 +58,23 @@
 #   OMP_NUM_THREADS                CPU threads per rank: cpus-per-task / ranks per node (>= 1)
 # CPU mode (gloo): GLOO_SOCKET_IFNAME plays NCCL_SOCKET_IFNAME's part across nodes.
 
+source "$(dirname "${BASH_SOURCE[0]}")/env_checks.sh"  # cp_ext_int, cp_ext_timeout_minutes
+
 cp_ext_slurm_launch() {
     set -euo pipefail
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
         echo "error: run this inside a SLURM allocation (sbatch $0 ...)" >&2
         return 2
     fi
+    # Every number from the environment is checked before any arithmetic (env_checks.sh).
+    local slurm_fix="SLURM sets it inside an allocation: submit with sbatch and do not export it yourself"
+    cp_ext_int SLURM_JOB_ID "" 1 "" "$slurm_fix"
+    cp_ext_int SLURM_JOB_NUM_NODES "" 1 "" "$slurm_fix"
+    [[ -z "${SLURM_CPUS_ON_NODE:-}" ]] || cp_ext_int SLURM_CPUS_ON_NODE "" 1 "" "$slurm_fix"
+    [[ -z "${SLURM_CPUS_PER_TASK:-}" ]] || cp_ext_int SLURM_CPUS_PER_TASK "" 1 "" "submit with --cpus-per-task=N"
+    [[ -z "${SLURM_GPUS_ON_NODE:-}" ]] || cp_ext_int SLURM_GPUS_ON_NODE "" 0 "" "$slurm_fix"
+    cp_ext_int MASTER_PORT "$(( 20000 + SLURM_JOB_ID % 20000 ))" 1 65535 \
+        "set it to a free TCP port on the first node (e.g. MASTER_PORT=29500) or unset it (20000 + job id % 20000)"
 
     local root="${CP_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
     if [[ ! -f "$root/pretrain_moe.py" ]]; then
@@ -70,23 +97,26 @@ cp_ext_slurm_launch() {
     local device_flags=()
     local nproc
     if [[ "${CP_EXT_CPU:-0}" == 1 ]]; then
-        nproc="${NPROC_PER_NODE:-$cpus_per_task}"
+        cp_ext_int NPROC_PER_NODE "$cpus_per_task" 1 "" \
+            "set it to the ranks per node (e.g. NPROC_PER_NODE=2) or unset it (--cpus-per-task ranks)"
         device_flags=(--device cpu)
     else
         local gpus="${SLURM_GPUS_ON_NODE:-}"
         if [[ -z "$gpus" ]] && command -v nvidia-smi >/dev/null 2>&1; then
             gpus="$(nvidia-smi -L | wc -l)"
         fi
-        nproc="${NPROC_PER_NODE:-${gpus:-1}}"
+        cp_ext_int NPROC_PER_NODE "${gpus:-1}" 1 "" \
+            "set it to the ranks per node (e.g. NPROC_PER_NODE=8) or unset it (one per GPU: submit with --gpus-per-node=N; CP_EXT_CPU=1 for CPU ranks)"
         export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
         export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
         export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
         export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
     fi
+    nproc="$NPROC_PER_NODE"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cpus_per_task / nproc > 0 ? cpus_per_task / nproc : 1 ))}"
+    cp_ext_timeout_minutes "$config" "$@"  # CP_EXT_TIMEOUT_MINUTES, CP_EXT_TIMEOUT_FLAGS
 
     MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
-    MASTER_PORT="${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}"
     export MASTER_ADDR MASTER_PORT
 
     local -a torchrun
@@ -100,7 +130,8 @@ cp_ext_slurm_launch() {
 
     echo "cp_ext: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], $nproc ranks/node," \
          "rendezvous $MASTER_ADDR:$MASTER_PORT, config $config, OMP_NUM_THREADS=$OMP_NUM_THREADS" \
-         "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")"
+         "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")," \
+         "distributed timeout $CP_EXT_TIMEOUT_MINUTES min"
 
     local -a signal_flags=()
     if [[ "${CP_EXT_EXIT_SIGNAL_HANDLER:-1}" == 1 ]]; then
@@ -115,8 +146,8 @@ cp_ext_slurm_launch() {
         "${torchrun[@]}" \
         --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node "$nproc" \
         --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" \
-        --max-restarts 0 \
-        pretrain_moe.py --config "$config" "${device_flags[@]}" "${signal_flags[@]}" "$@" &
+        --rdzv-conf "join_timeout=$(( CP_EXT_TIMEOUT_MINUTES * 60 ))" --max-restarts 0 \
+        pretrain_moe.py --config "$config" "${device_flags[@]}" "${signal_flags[@]}" "${CP_EXT_TIMEOUT_FLAGS[@]}" "$@" &
     local step=$! status=0
     while true; do
         wait "$step" && status=0 || status=$?

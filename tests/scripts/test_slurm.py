@@ -70,9 +70,10 @@ def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
     assert proc.returncode == 0 and job, context
     info = job_info(cluster, job)
     assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info), info
-    # the script's own banner: CPU mode, 2 ranks, rendezvous on the node list's first host
+    # the script's own banner: CPU mode, 2 ranks, rendezvous on the node list's first host, and the
+    # one timeout (pretrain_moe.py's default; also torchrun's --rdzv-conf join_timeout=600 on this run)
     assert re.search(rf"cp_ext: job {job} on 1 node\(s\) \[{cluster.node}\], 2 ranks/node, rendezvous {cluster.node}:\d+, "
-                     r"config configs/cpu_demo.yaml, OMP_NUM_THREADS=1 \(CPU/gloo\)", log), context
+                     r"config configs/cpu_demo.yaml, OMP_NUM_THREADS=1 \(CPU/gloo\), distributed timeout 10 min", log), context
     assert "training: world 2 = TP 1 x PP 1 x CP 2 (Ulysses 1 x ring 2) x DP 1" in log, context
     iterations = re.findall(r"^ iteration +(\d+)/ +3 \|.*\| lm loss: \d\.\d+E[+-]\d+ \|", log, re.M)
     assert iterations == ["1", "2", "3"], context
