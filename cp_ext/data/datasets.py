@@ -73,7 +73,9 @@ def data_file_problems(args) -> list:
         except ValueError as e:
             problems.append(str(e).replace("--data-path", "--" + flag.replace("_", "-")))
             continue
-        problems.extend(msg for prefix in prefixes for msg in indexed_dataset_problems(prefix, vocab))
+        vocab_from = f"--vocab-size {args.vocab_size}" if args.vocab_size else f"--tokenizer-type {args.tokenizer_type}"
+        problems.extend(msg for prefix in prefixes
+                        for msg in indexed_dataset_problems(prefix, vocab, "--" + flag.replace("_", "-"), vocab_from))
     return problems
 
 

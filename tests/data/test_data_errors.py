@@ -51,7 +51,74 @@ def test_truncated_bin(corpus):
 
 def test_token_ids_beyond_the_vocab(corpus):
     msg = _error("--data-path", corpus)  # ByteTokenizer: vocab 257, the data holds id 299
-    assert corpus + ".bin holds token id 299" in msg and "vocab is 257" in msg and "--vocab-size" in msg
+    assert "- --data-path " + corpus + ": " in msg
+    assert corpus + ".bin holds token id 299" in msg and "vocab is 257 (--tokenizer-type ByteTokenizer)" in msg
+    assert "--tokenizer-type/--tokenizer-model the data was preprocessed with" in msg and "--vocab-size" in msg
+
+
+def test_every_token_is_checked_once_per_file(tmp_path, monkeypatch):
+    """An id past the first 1000 documents, below the padded vocab (257 -> 384) that would have
+    trained silently, is found; the scan's result is cached next to the index and reused, and a
+    changed .bin (same size, new mtime) is scanned again."""
+    import json
+
+    from cp_ext.data import indexed
+
+    prefix = str(tmp_path / "big_text_document")
+    docs = [np.full(30, i % 256) for i in range(1500)]
+    docs[1400] = docs[1400].copy()
+    docs[1400][17] = 300
+    write_indexed_dataset(prefix, docs, 300)
+    scans = []
+    scan = indexed._scan_ids
+    monkeypatch.setattr(indexed, "_scan_ids", lambda *a: scans.append(a) or scan(*a))
+    monkeypatch.setattr(indexed, "SCAN_CHUNK_TOKENS", 4096)  # several chunks: the bad id is in a later one
+
+    msg = _error("--data-path", prefix)
+    assert prefix + ".bin holds token id 300" in msg and "45000 tokens" in msg and "vocab is 257" in msg
+    cache = json.loads(open(prefix + ".maxid.json").read())
+    assert cache["max"] == 300 and cache["bin_size"] == 90000 and len(scans) == 1
+    assert "holds token id 300" in _error("--data-path", prefix, "--vocab-size", "299")
+    assert len(scans) == 1  # from the cache
+    parse_args(["--data-path", prefix, "--vocab-size", "301"], world_size=1)
+    assert len(scans) == 1
+
+    with open(prefix + ".bin", "r+b") as f:  # fix the bad token in place: same size, new mtime
+        f.seek((1400 * 30 + 17) * 2)
+        f.write(np.array([5], dtype=np.uint16).tobytes())
+    st = os.stat(prefix + ".bin")
+    os.utime(prefix + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    parse_args(["--data-path", prefix], world_size=1)
+    assert len(scans) == 2 and json.loads(open(prefix + ".maxid.json").read())["max"] == 255
+    parse_args(["--data-path", prefix], world_size=1)
+    assert len(scans) == 2
+
+
+def test_uncachable_directory_still_checks(corpus, monkeypatch):
+    """Where the cache cannot be written (a read-only dataset directory), the check runs, silently, each time."""
+    from cp_ext.data import indexed
+
+    os.mkdir(corpus + ".maxid.json")  # neither readable nor replaceable as a file, even as root
+    scans = []
+    scan = indexed._scan_ids
+    monkeypatch.setattr(indexed, "_scan_ids", lambda *a: scans.append(a) or scan(*a))
+    for _ in range(2):
+        assert "holds token id 299" in _error("--data-path", corpus)
+    assert len(scans) == 2
+    assert sorted(os.listdir(os.path.dirname(corpus))) == sorted(
+        os.path.basename(corpus) + s for s in (".bin", ".idx", ".maxid.json"))  # no temp files left
+
+
+def test_negative_token_ids(tmp_path):
+    prefix = str(tmp_path / "signed_text_document")
+    write_indexed_dataset(prefix, [np.array([1, 2, 3]), np.array([4, -1, 6])], 100_000)  # int32 on disk
+    msg = _error("--data-path", prefix, "--vocab-size", "100000")
+    assert prefix + ".bin holds token id -1" in msg and "ids must be >= 0" in msg
+
+
+def test_valid_data_path_problems_name_their_flag(corpus):
+    msg = _error("--data-path", corpus, "--valid-data-path", corpus)
+    assert "--data-path " + corpus + ": " in msg and "--valid-data-path " + corpus + ": " in msg
 
 
 def test_vocab_size_below_the_tokenizer():
