@@ -18,25 +18,57 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
 
-from cp_ext.arguments import ConfigError, parse_args_or_exit  # noqa: E402
 
 
 def main(argv=None):
+    _single_process_without_torchrun()
+    try:
+        from cp_ext.arguments import ConfigError, parse_args_or_exit
+    except ImportError as e:  # megatron-core missing or not the pinned version
+        _fail_once(str(e), 2)
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
     from cp_ext.training.checkpointing import CheckpointReadError
     from cp_ext.training.trainer import Trainer
 
     try:
         trainer = Trainer(args)
+        if args.skip_train:
+            trainer.evaluate_only()
+        else:
+            trainer.train()
     except CheckpointReadError as e:  # every rank reads the same files: one message, from rank 0
         _fail_once(f"cannot load the checkpoint: {e}", 1)
     except ConfigError as e:  # found once the data is open (a split too small for --eval-iters)
         _fail_once(f"configuration error:\n{e}", 2)
-    if args.skip_train:
-        trainer.evaluate_only()
-    else:
-        trainer.train()
+    except Exception as e:
+        if not _is_collective_timeout(e):
+            raise
+        # Said by every rank that waited (the stopped one cannot): which rank, and why.
+        print(f"pretrain_moe.py: rank {os.environ.get('RANK', '0')}: a collective waited longer than "
+              f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: another rank stopped, crashed or "
+              f"hangs (its node, a debugger, a SIGSTOP). Exiting; resume from the last checkpoint with --load. "
+              f"({str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: it would wait on the same missing rank
     trainer.shutdown()
+
+
+def _is_collective_timeout(error):
+    """gloo's and NCCL's timeout errors (DistBackendError / RuntimeError, by their message)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def _single_process_without_torchrun():
+    """``python pretrain_moe.py ...`` runs as one rank, as torchrun --nproc-per-node 1 would."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _fail_once(message, status):

@@ -9,6 +9,7 @@ or model exists, and reports every problem at once, each naming the flags and th
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -20,15 +21,73 @@ class ConfigError(ValueError):
     """A bad flag or config value; the message names the flag and the fix."""
 
 
+def number(kind, low=None, high=None, *, above=False, below=False):
+    """An argparse ``type``: an int or a finite float in [low, high] (``above``/``below``: open ends).
+
+    The range is checked where the value is parsed, for the command line and YAML alike, so a
+    0 or a NaN never reaches a default (``--ffn-hidden-size 0``) or a division
+    (``--num-attention-heads 0``)."""
+    what = "an integer" if kind is int else "a number"
+    bounds = [f"{'>' if above else '>='} {low}" if low is not None else None,
+              f"{'<' if below else '<='} {high}" if high is not None else None]
+    expected = f"{what} {' and '.join(b for b in bounds if b)}".strip()
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if (kind is float and not math.isfinite(value)) or (low is not None and (value < low or above and value == low)) \
+                or (high is not None and (value > high or below and value == high)):
+            raise argparse.ArgumentTypeError(f"must be {expected} (got {text})")
+        return value
+
+    parse.__name__ = expected  # what argparse's own messages call the type
+    return parse
+
+
+POSITIVE = number(int, 1)
+NON_NEGATIVE = number(int, 0)
+FRACTION = number(float, 0, 1, below=True)  # dropout, Adam betas
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are ConfigErrors: one message from rank 0, exit 2, on every launch path."""
+
+    def error(self, message):
+        hint = " (pretrain_moe.py --help lists the flags)" if message.startswith("unrecognized") else ""
+        raise ConfigError(f"  - {message.removeprefix('argument ')}{hint}")
+
+
+class RunArgs(argparse.Namespace):
+    """The run configuration: validated once by `parse_args`, then frozen.
+
+    Components read it and never write it (each keeps what it derives, e.g. the trainer's
+    padded vocabulary), so what a run was configured with is what it ran with."""
+
+    def freeze(self):
+        self.__class__ = _FrozenRunArgs  # no marker in vars(args): config.yaml and checkpoints stay clean
+        return self
+
+
+class _FrozenRunArgs(RunArgs):
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the run configuration is frozen after validation; cannot set args.{name} "
+                             f"(keep derived values on the component that derives them)")
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+
 def _add_parallel_args(parser):
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+    g.add_argument("--tensor-model-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--context-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--expert-model-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=POSITIVE, default=None,
                    help="defaults to --tensor-model-parallel-size, as in Megatron-LM")
-    g.add_argument("--ulysses-size", type=int, default=None,
+    g.add_argument("--ulysses-size", type=POSITIVE, default=None,
                    help="Ulysses (all-to-all) sub-group size U inside the CP group; C/U ranks form the ring. "
                         "1 (default) is a pure ring, U = C pure Ulysses")
     g.add_argument("--cp-load-balance", choices=["zigzag", "none"], default="zigzag",
@@ -36,7 +95,7 @@ def _add_parallel_args(parser):
     g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p"], default=None,
                    help="Megatron-LM spelling: p2p = ring, a2a = Ulysses, a2a+p2p = hybrid "
                         "(sizes from --hierarchical-context-parallel-sizes)")
-    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
+    g.add_argument("--hierarchical-context-parallel-sizes", type=POSITIVE, nargs="+", default=None,
                    help="with --cp-comm-type a2a+p2p: [a2a size, p2p size], i.e. [U, C/U]")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -49,33 +108,65 @@ def _add_parallel_args(parser):
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA+NCCL when a GPU is visible, else CPU+gloo; cuda: an error at parse time when "
                         "CUDA is not usable; cpu: also on a GPU host (torch's optimizer, no TE/apex kernels)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=POSITIVE, default=10)
 
 
 def _add_model_args(parser):
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="defaults to 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None, help="GQA groups; defaults to the head count")
-    g.add_argument("--kv-channels", type=int, default=None, help="head dim; defaults to hidden/heads")
-    g.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer (None: dense MLP)")
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="defaults to --ffn-hidden-size")
+    g.add_argument("--num-layers", type=POSITIVE, default=2)
+    g.add_argument("--hidden-size", type=POSITIVE, default=64)
+    g.add_argument("--ffn-hidden-size", type=POSITIVE, default=None, help="defaults to 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=POSITIVE, default=4)
+    g.add_argument("--num-query-groups", type=POSITIVE, default=None, help="GQA groups; defaults to the head count")
+    g.add_argument("--kv-channels", type=POSITIVE, default=None, help="head dim; defaults to hidden/heads")
+    g.add_argument("--num-experts", type=POSITIVE, default=None, help="MoE experts per layer (None: dense MLP)")
+    g.add_argument("--moe-router-topk", type=POSITIVE, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=POSITIVE, default=None, help="defaults to --ffn-hidden-size")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default="aux_loss")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   default="aux_loss",
+                   help="aux_loss: GShard/Switch's, per microbatch; seq_aux_loss: DeepSeek-V2/V3's, per sample; "
+                        "none. megatron's sinkhorn and global_aux_loss are not offered: sinkhorn normalises over each "
+                        "rank's tokens and global_aux_loss averages over the microbatches seen so far, so both would "
+                        "train a different model on another CP/DP layout")
+    g.add_argument("--moe-aux-loss-coeff", type=number(float, 0), default=1e-2)
+    g.add_argument("--moe-z-loss-coeff", type=number(float, 0), default=None,
+                   help="ST-MoE's router z-loss coefficient (1e-3 is a good start); logged as z loss")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax (or sigmoid) before the top-k instead of after it; required with "
+                        "--moe-router-topk 1 and the softmax score function (Switch), as in Megatron-LM")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                   help="sigmoid: DeepSeek-V3's scores")
+    g.add_argument("--moe-router-topk-scaling-factor", type=number(float, 0, above=True), default=None,
+                   help="scale the top-k routing weights (DeepSeek-V3: 2.5); with --moe-router-pre-softmax or "
+                        "--moe-router-score-function sigmoid")
+    g.add_argument("--moe-router-num-groups", type=POSITIVE, default=None,
+                   help="group-limited routing: experts in this many groups (DeepSeek: devices or nodes)")
+    g.add_argument("--moe-router-group-topk", type=POSITIVE, default=None,
+                   help="group-limited routing: the groups each token may pick experts from")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing (DeepSeek-V3): a per-expert bias on the routing scores, "
+                        "updated from the global batch's expert loads; needs --moe-router-score-function sigmoid")
+    g.add_argument("--moe-router-bias-update-rate", type=number(float, 0), default=1e-3,
+                   help="with --moe-router-enable-expert-bias: the bias step per iteration")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                   help="the router's logits and routing weights in this dtype (default: the model's)")
+    g.add_argument("--moe-expert-capacity-factor", type=number(float, 0, above=True), default=None,
+                   help="token dropping: each expert takes at most factor x (its share of) the tokens of a rank; "
+                        "Megatron's meaning, per rank, so with CP or TP+SP which tokens drop depends on the layout")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="with --moe-expert-capacity-factor: drop the lowest-probability tokens (probs) or the last "
+                        "ones of the batch (position)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=number(float, 0, above=True), default=1e-5)
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--vocab-size", type=int, default=None, help="defaults to the tokenizer's")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--rotary-base", type=POSITIVE, default=10000)
+    g.add_argument("--init-method-std", type=number(float, 0, above=True), default=0.02)
+    g.add_argument("--hidden-dropout", type=FRACTION, default=0.0)
+    g.add_argument("--attention-dropout", type=FRACTION, default=0.0)
+    g.add_argument("--vocab-size", type=POSITIVE, default=None, help="defaults to the tokenizer's")
+    g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE, default=128)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
@@ -91,23 +182,23 @@ def _add_model_args(parser):
 
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None, help="defaults to micro batch x DP")
-    g.add_argument("--train-iters", type=int, default=20)
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="defaults to --train-iters")
+    g.add_argument("--seq-length", type=POSITIVE, default=128)
+    g.add_argument("--micro-batch-size", type=POSITIVE, default=1)
+    g.add_argument("--global-batch-size", type=POSITIVE, default=None, help="defaults to micro batch x DP")
+    g.add_argument("--train-iters", type=POSITIVE, default=20)
+    g.add_argument("--lr", type=number(float, 0), default=3e-4)
+    g.add_argument("--min-lr", type=number(float, 0), default=0.0)
+    g.add_argument("--lr-warmup-iters", type=NON_NEGATIVE, default=0)
+    g.add_argument("--lr-decay-iters", type=POSITIVE, default=None, help="defaults to --train-iters")
     g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--data-seed", type=int, default=None, help="defaults to --seed")
+    g.add_argument("--weight-decay", type=number(float, 0), default=0.1)
+    g.add_argument("--adam-beta1", type=FRACTION, default=0.9)
+    g.add_argument("--adam-beta2", type=FRACTION, default=0.95)
+    g.add_argument("--adam-eps", type=number(float, 0, above=True), default=1e-8)
+    g.add_argument("--clip-grad", type=number(float, 0), default=1.0)
+    g.add_argument("--seed", type=NON_NEGATIVE, default=1234)
+    g.add_argument("--log-interval", type=POSITIVE, default=1)
+    g.add_argument("--data-seed", type=NON_NEGATIVE, default=None, help="defaults to --seed")
 
 
 # --attention-backend: Megatron-LM's choices (megatron.core.transformer.enums.AttnBackend) and
@@ -131,7 +222,7 @@ def _add_recompute_args(parser):
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
                    help="with full granularity: uniform = checkpoint every chunk of --recompute-num-layers "
                         "layers; block = checkpoint only the first --recompute-num-layers layers of each stage")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
+    g.add_argument("--recompute-num-layers", type=POSITIVE, default=None,
                    help="uniform: layers per checkpointed chunk; block: layers recomputed per pipeline stage")
     g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
                    help="with selective granularity: the submodules to recompute (default core_attn)")
@@ -158,9 +249,9 @@ def _add_logging_args(parser):
 def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--save-interval", type=POSITIVE, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
-    g.add_argument("--exit-interval", type=int, default=None,
+    g.add_argument("--exit-interval", type=POSITIVE, default=None,
                    help="stop after the iteration that is a multiple of this (saving first if --save)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (SLURM's time limit or preemption), finish the current iteration, save a "
@@ -191,10 +282,10 @@ def _add_data_args(parser):
                    help="the validation split's own dataset prefixes ([W1] P1 ...), instead of --split's share")
     g.add_argument("--test-data-path", nargs="+", default=None,
                    help="the test split's own dataset prefixes ([W1] P1 ...), instead of --split's share")
-    g.add_argument("--eval-interval", type=int, default=None,
+    g.add_argument("--eval-interval", type=POSITIVE, default=None,
                    help="validation loss every N iterations (and on the test split at the end of training); "
                         "off when not given")
-    g.add_argument("--eval-iters", type=int, default=100,
+    g.add_argument("--eval-iters", type=NON_NEGATIVE, default=100,
                    help="global batches per evaluation, the same samples each time (0: no evaluation)")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate the valid and test splits once (with --load, the checkpoint) and exit")
@@ -212,7 +303,7 @@ ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_reco
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pretrain_moe.py",
         description="Train a MoE GPT with megatron-core and cp_ext (Megatron-LM flag names).",
     )
@@ -222,33 +313,66 @@ def build_parser():
     return parser
 
 
-def _apply_yaml_defaults(parser, path):
+def _read_yaml(path):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             values = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML: {e}")
+    except OSError as e:
+        raise ConfigError(f"  - --config {path}: cannot read it ({e.strerror or e})")
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"  - --config {path}: not valid YAML: {e}")
     if not isinstance(values, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
-    known = {action.dest for action in parser._actions}
-    defaults = {}
+        raise ConfigError(f"  - --config {path}: expected a mapping of flag names to values, e.g. num-layers: 4")
+    return values
+
+
+def _yaml_tokens(parser, path, values):
+    """YAML keys -> the command-line tokens they stand for, so the same parser types them.
+
+    ``bf16: "false"`` is not a boolean, ``device: gpu`` not a choice, ``seq-length: [128]``
+    not an integer: each is the error its flag would give, naming the file and the key. A
+    scalar for a list flag is a one-item list (``data-path: /x/prefix``)."""
+    actions = {action.dest: action for action in parser._actions}
+    tokens = []
     for key, value in values.items():
         dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known or dest == "config":
-            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
-        defaults[dest] = value
-    parser.set_defaults(**defaults)
+        action = actions.get(dest)
+        if action is None or dest in ("config", "help"):
+            raise ConfigError(f"  - --config {path}: unknown key {key!r} (keys are flag names, e.g. num-layers)")
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        where = f"--config {path}: {key}: {value!r}"
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"  - {where} is not a boolean; write true or false (unquoted)")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                tokens.append(flag if value else "--no-" + flag[2:])
+            elif value:
+                tokens.append(flag)
+            continue
+        items = value if isinstance(value, list) else [value]
+        many = action.nargs in ("+", "*")
+        if (not many and isinstance(value, list)) or any(isinstance(v, (list, dict)) for v in items) \
+                or isinstance(value, dict):
+            raise ConfigError(f"  - {where}: {flag} takes {'a list of values' if many else 'one value'}")
+        if any(v is None or isinstance(v, bool) for v in items):
+            raise ConfigError(f"  - {where}: give a value (or drop the key for the default)")
+        key_tokens = [flag, *map(str, items)] if many else [f"{flag}={items[0]}"]
+        try:
+            build_parser().parse_args(key_tokens)  # the flag's own type and choices, blamed on the file
+        except ConfigError as e:
+            raise ConfigError(f"  - --config {path}: {key}: {str(e).strip().removeprefix('- ')}") from None
+        tokens.extend(key_tokens)
+    return tokens
 
 
 def parse_args(argv=None, world_size=None):
-    """Parse flags (+ YAML), fill derived values and validate. Raises ConfigError."""
+    """Parse flags (+ YAML), fill derived values and validate; the result is frozen. Raises ConfigError."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
-    if pre.config:
-        _apply_yaml_defaults(parser, pre.config)
-    args = parser.parse_args(argv)
+    # YAML first, the command line after it: a flag given twice takes its last value.
+    tokens = _yaml_tokens(parser, pre.config, _read_yaml(pre.config)) if pre.config else []
+    args = parser.parse_args(tokens + argv, namespace=RunArgs())
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
@@ -256,15 +380,21 @@ def parse_args(argv=None, world_size=None):
     problems = validate_args(args)
     if problems:
         raise ConfigError("\n".join(f"  - {p}" for p in problems))
-    return args
+    return args.freeze()
 
 
 def _fill_derived(args):
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.num_query_groups = args.num_query_groups or args.num_attention_heads
-    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
-    args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    # Defaults that depend on other flags (every value here is >= 1 already: `number`).
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
     args.data_seed = args.seed if args.data_seed is None else args.data_seed
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = args.world_size // model_parallel if model_parallel and args.world_size % model_parallel == 0 else None
@@ -276,6 +406,8 @@ def _fill_derived(args):
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"  # as in Megatron-LM
     args.attention_kernel = ATTENTION_BACKENDS.get(args.attention_backend)  # None: reported by validate_args
+    if args.log_dir is None:  # read by rank 0 only (metrics.jsonl, config.yaml, wandb)
+        args.log_dir = os.path.join("runs", args.wandb_exp_name or time.strftime("run-%Y%m%d-%H%M%S"))
 
 
 def _resolve_ulysses_size(args):
@@ -399,6 +531,49 @@ def _recompute_problems(args):
     return p
 
 
+# Router flags off their default, for the dense-model check; (dest, default).
+_ROUTER_FLAGS = [("moe_z_loss_coeff", None), ("moe_router_pre_softmax", False), ("moe_router_score_function", "softmax"),
+                 ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
+                 ("moe_router_group_topk", None), ("moe_router_enable_expert_bias", False),
+                 ("moe_router_dtype", None), ("moe_expert_capacity_factor", None)]
+
+
+def _router_flags_given(args):
+    return ["--" + dest.replace("_", "-") for dest, default in _ROUTER_FLAGS if getattr(args, dest) != default]
+
+
+def _router_problems(args):
+    """megatron-core 0.16.1's router rules (TransformerConfig.__post_init__), said before anything is built."""
+    p = []
+    topk, experts = args.moe_router_topk, args.num_experts
+    if topk == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax:
+        p.append("--moe-router-topk 1 with the softmax score function needs --moe-router-pre-softmax (a softmax over "
+                 "the one chosen expert is 1 and gives the router no gradient); add it (Switch Transformer's routing)")
+    if args.moe_router_topk_scaling_factor is not None and not (
+            args.moe_router_pre_softmax or args.moe_router_score_function == "sigmoid"):
+        p.append("--moe-router-topk-scaling-factor is only read with --moe-router-pre-softmax or "
+                 "--moe-router-score-function sigmoid; add one of them or drop it")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        p.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (megatron's aux-loss-free "
+                 "balancing is defined on sigmoid scores); add it")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        p.append("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk; give both or "
+                 "neither")
+    elif groups is not None:
+        if experts % groups:
+            p.append(f"--num-experts {experts} is not divisible by --moe-router-num-groups {groups}")
+        elif group_topk > groups:
+            p.append(f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
+        elif topk > group_topk * (experts // groups):
+            p.append(f"--moe-router-topk {topk} exceeds the {group_topk * (experts // groups)} experts of "
+                     f"--moe-router-group-topk {group_topk} groups of {experts // groups}; pick more groups per token")
+    if args.moe_token_drop_policy != "probs" and args.moe_expert_capacity_factor is None:
+        p.append(f"--moe-token-drop-policy {args.moe_token_drop_policy} is only read with "
+                 f"--moe-expert-capacity-factor; add it or drop the policy")
+    return p
+
+
 def _runs_on_cpu(args):
     if args.device != "auto":
         return args.device == "cpu"
@@ -457,7 +632,7 @@ def split_weights(split):
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:
         raise ValueError(f"--split {split}: expected up to three comma-separated weights, e.g. 969,30,1") from None
-    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or weights[0] <= 0:
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or weights[0] <= 0:
         raise ValueError(f"--split {split}: expected up to three weights >= 0 with train's > 0, e.g. 969,30,1")
     return weights + [0.0] * (3 - len(weights))
 
@@ -475,14 +650,10 @@ def evaluation_splits(args):
 
 def _eval_problems(args):
     p = []
-    if args.eval_interval is not None and args.eval_interval < 1:
-        p.append(f"--eval-interval {args.eval_interval}: must be >= 1 (leave it out for no evaluation)")
-    if args.eval_iters < 0:
-        p.append(f"--eval-iters {args.eval_iters}: must be >= 0 (0: no evaluation)")
     try:
-        splits = evaluation_splits(args) if not p else []
+        splits = evaluation_splits(args)
     except ValueError as e:
-        return p + [str(e)]
+        return [str(e)]
     if (args.eval_interval or args.skip_train) and args.eval_iters > 0 and "valid" not in splits:
         p.append(f"--eval-interval needs validation data: --split {args.split} gives the valid split no documents; "
                  f"give it a share (e.g. --split 969,30,1) or --valid-data-path")
@@ -500,6 +671,10 @@ def _data_problems(args):
         return [f"--synthetic-task {args.synthetic_task} and --data-path are exclusive; give one"]
     if args.synthetic_task:
         return []
+    try:
+        split_weights(args.split)  # read whenever data comes from --data-path or the embedded corpus
+    except ValueError as e:
+        return [str(e)]
     if args.tokenizer_type != "ByteTokenizer" and not args.data_path:
         return [f"--tokenizer-type {args.tokenizer_type} needs --data-path (the embedded default corpus is "
                 f"byte-tokenized); preprocess your text with tools/preprocess_data.py"]
@@ -516,14 +691,6 @@ def validate_args(args):
     p = []
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    for flag, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
-                        ("--expert-tensor-parallel-size", etp), ("--micro-batch-size", args.micro_batch_size),
-                        ("--num-layers", args.num_layers), ("--seq-length", args.seq_length)]:
-        if value < 1:
-            p.append(f"{flag} {value}: must be >= 1")
-    if p:
-        return p
     world = args.world_size
     if world % (tp * pp * cp):
         p.append(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
@@ -561,6 +728,7 @@ def validate_args(args):
             p.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
         if args.moe_router_topk > args.num_experts:
             p.append(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+        p.extend(_router_problems(args))
         if args.moe_token_dispatcher_type == "alltoall" and _runs_on_cpu(args):
             p.append("--moe-token-dispatcher-type alltoall needs CUDA (megatron's dispatcher uses CUDA streams); "
                      "use --moe-token-dispatcher-type allgather on CPU")
@@ -569,6 +737,9 @@ def validate_args(args):
                      f"(megatron-core's MoE layer needs it); add --sequence-parallel")
     elif ep > 1:
         p.append(f"--expert-model-parallel-size {ep} needs --num-experts")
+    else:
+        p.extend(f"{flag} needs --num-experts (it configures the MoE router); add --num-experts or drop it"
+                 for flag in _router_flags_given(args))
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         p.append("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the distributed optimizer's "
                  "parameter all-gather with the next forward; as in Megatron-LM); add it or drop the flag")
@@ -590,10 +761,8 @@ def validate_args(args):
                  f"(which defaults to --train-iters); lower the warm-up or raise the decay iterations")
     if args.min_lr > args.lr:
         p.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if args.log_interval < 1:
-        p.append("--log-interval must be >= 1")
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        p.append(f"--save-interval {args.save_interval} needs --save DIR and a value >= 1")
+    if args.save_interval is not None and not args.save:
+        p.append(f"--save-interval {args.save_interval} needs --save DIR (where to save); add it or drop the flag")
     return p
 
 

@@ -103,6 +103,19 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff * aux_loss_layout_factor(args),
+        # megatron divides the z-loss coefficient by TP x CP and weights it by local tokens: the same
+        # layout factor makes its gradient the single-rank one (tests/training/test_router_flags.py).
+        moe_z_loss_coeff=None if args.moe_z_loss_coeff is None else args.moe_z_loss_coeff * aux_loss_layout_factor(args),
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_drop_policy=args.moe_token_drop_policy,
         # parallelism
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -16,6 +16,7 @@ for the ring, U = C for Ulysses) megatron's CP group object is reused.
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -34,16 +35,19 @@ class _ContextParallelState:
 _STATE: Optional[_ContextParallelState] = None
 
 
-def _new_group(ranks, cp_ranks, cp_group, desc):
+def _new_group(ranks, cp_ranks, cp_group, desc, timeout):
     from megatron.core import parallel_state as mpu
 
     if list(ranks) == list(cp_ranks):
         return cp_group
-    return mpu.create_group(ranks=list(ranks), group_desc=desc)
+    return mpu.create_group(ranks=list(ranks), timeout=timeout, group_desc=desc)
 
 
-def initialize_context_parallel(ulysses_size: int = 1) -> None:
-    """Build the Ulysses and ring sub-groups of every megatron CP group (collective, all ranks)."""
+def initialize_context_parallel(ulysses_size: int = 1, timeout: Optional[timedelta] = None) -> None:
+    """Build the Ulysses and ring sub-groups of every megatron CP group (collective, all ranks).
+
+    ``timeout``: how long a collective on them may wait for a missing rank before it fails
+    (pass megatron's ``distributed_timeout_minutes``; None: torch's default, 30 minutes for gloo)."""
     global _STATE
     from megatron.core import parallel_state as mpu
 
@@ -72,8 +76,8 @@ def initialize_context_parallel(ulysses_size: int = 1) -> None:
         ulysses = [cp[i * u:(i + 1) * u] for i in range(n_ring)]
         rings = [cp[j::u] for j in range(u)]
         mine = list(cp) == my_cp_ranks
-        u_groups = [_new_group(r, cp, cp_group if mine else None, "CP_ULYSSES") for r in ulysses]
-        r_groups = [_new_group(r, cp, cp_group if mine else None, "CP_RING") for r in rings]
+        u_groups = [_new_group(r, cp, cp_group if mine else None, "CP_ULYSSES", timeout) for r in ulysses]
+        r_groups = [_new_group(r, cp, cp_group if mine else None, "CP_RING", timeout) for r in rings]
         if mine:
             ui = next(i for i, r in enumerate(ulysses) if me in r)
             ri = next(j for j, r in enumerate(rings) if me in r)
@@ -86,10 +90,6 @@ def destroy_context_parallel() -> None:
     """Forget the sub-groups (megatron's destroy_model_parallel / destroy_process_group frees them)."""
     global _STATE
     _STATE = None
-
-
-def is_initialized() -> bool:
-    return _STATE is not None
 
 
 def _state() -> _ContextParallelState:
@@ -129,18 +129,6 @@ def get_ring_rank() -> int:
 
 def get_ring_world_size() -> int:
     return len(_state().ring_ranks)
-
-
-def get_ring_next_rank() -> int:
-    """Global rank this rank sends KV to."""
-    ranks = _state().ring_ranks
-    return ranks[(get_ring_rank() + 1) % len(ranks)]
-
-
-def get_ring_prev_rank() -> int:
-    """Global rank this rank receives KV from."""
-    ranks = _state().ring_ranks
-    return ranks[(get_ring_rank() - 1) % len(ranks)]
 
 
 def get_context_parallel_positions(seq_len: int, layout: str = "zigzag", device=None):

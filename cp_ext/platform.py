@@ -4,7 +4,7 @@ This module owns every CPU accommodation cp_ext makes, and nothing else may bran
 on the device. `setup_platform()` is a no-op when CUDA is present: GPU runs execute
 megatron-core exactly as shipped. Without CUDA (or with `--device cpu`) it meets
 the few CUDA assumptions megatron-core 0.16.1 makes on the paths cp_ext uses
-(measured in shared/MEGATRON_ON_CPU.md):
+(each found by running those paths on CPU; tests/test_platform.py covers them):
 
 =========================================  ====================================================
 megatron-core assumes                      on CPU we provide

@@ -266,8 +266,8 @@ def test_overlap_flags_parse(cuda_host):
 @pytest.mark.parametrize(
     "argv, must_name",
     [
-        (["--eval-interval", "0"], ["--eval-interval 0: must be >= 1"]),
-        (["--eval-interval", "5", "--eval-iters", "-1"], ["--eval-iters -1: must be >= 0"]),
+        (["--eval-interval", "0"], ["--eval-interval: must be an integer >= 1 (got 0)"]),
+        (["--eval-interval", "5", "--eval-iters", "-1"], ["--eval-iters: must be an integer >= 0 (got -1)"]),
         (["--eval-interval", "5", "--split", "100,0,0"], ["--eval-interval needs validation data", "--valid-data-path"]),
         (["--eval-interval", "5", "--split", "abc"], ["--split abc: expected up to three"]),
         (["--skip-train", "--split", "1"], ["--eval-interval needs validation data"]),

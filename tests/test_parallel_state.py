@@ -47,6 +47,7 @@ def _snapshot():
     from megatron.core import parallel_state as mpu
 
     from cp_ext import parallel_state as ps
+    from cp_ext.attention.utils import RingComm
 
     return dict(
         cp=list(mpu.get_context_parallel_global_ranks()),
@@ -59,7 +60,8 @@ def _snapshot():
         ulysses_rank=ps.get_ulysses_rank(), ulysses_size=ps.get_ulysses_world_size(),
         ring_rank=ps.get_ring_rank(), ring_size=ps.get_ring_world_size(),
         ring_rank_in_group=dist.get_rank(ps.get_ring_group()),
-        prev=ps.get_ring_prev_rank(), next=ps.get_ring_next_rank(),
+        # the neighbours the ring's P2P exchange actually uses
+        prev=RingComm(ps.get_ring_group()).recv_rank, next=RingComm(ps.get_ring_group()).send_rank,
         ring_is_megatron_cp=ps.get_ring_group() is mpu.get_context_parallel_group(),
     )
 

@@ -159,7 +159,7 @@ def measure(trainer_flags, world_size):
         "cp_rank": mpu.get_context_parallel_rank(),
         "tokens": int(trainer.cp_positions.numel()),
         "seq_length": args.seq_length,
-        "padded_vocab": args.padded_vocab_size,
+        "padded_vocab": trainer.padded_vocab_size,
         "recompute": args.recompute_granularity,
         "cp_aware_recompute": trainer.config.cp_aware_recompute,
         "activation_bytes": saved.peak,

@@ -5,7 +5,7 @@ All attention tensors in this package use the *kernel layout* ``[b, h, s, d]``; 
 log-sum-exp (LSE) is ``[b, h, s]`` in fp32 (fp64 for fp64 inputs).
 """
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,6 @@ class RingComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
-        self.global_ranks: List[int] = ranks
         self.send_rank = ranks[(self.rank + 1) % self.world_size]
         self.recv_rank = ranks[(self.rank - 1) % self.world_size]
         self._batched = dist.get_backend(group) != "gloo"

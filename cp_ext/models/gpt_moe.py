@@ -46,13 +46,13 @@ def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return spec
 
 
-def get_block_spec(config: TransformerConfig, vp_stage=None) -> TransformerBlockSubmodules:
+def get_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
     """The decoder block of this pipeline stage: its layers and the final norm."""
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[get_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm)
 
 
-def build_model(config: TransformerConfig, args, pre_process=None, post_process=None) -> GPTModel:
+def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None) -> GPTModel:
     """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid."""
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -61,7 +61,7 @@ def build_model(config: TransformerConfig, args, pre_process=None, post_process=
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_block_spec(config),
-        vocab_size=args.padded_vocab_size,
+        vocab_size=padded_vocab_size,
         max_sequence_length=args.seq_length,
         pre_process=pre_process,
         post_process=post_process,

@@ -9,13 +9,12 @@ shape is refused listing the differing flags; a changed LR schedule needs Megatr
 optimizer kind is fine: checkpoints reshard (`cp_ext.training.checkpointing`).
 """
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 from cp_ext.training.checkpointing import (
-    MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, complete_iterations, iteration_dir, latest_iteration,
+    MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, iteration_dir, latest_iteration, meta_to_load,
 )
 
 
@@ -104,16 +103,14 @@ def layout_problems(root, args):
     """Why the latest checkpoint under `root` cannot load with `args` (checked at parse time).
 
     Not the grid or the optimizer kind: a checkpoint loads at any of them."""
-    iteration = latest_iteration(root)
-    if iteration is None:
+    found = meta_to_load(root, args.ckpt_fallback)
+    if found is None:
         return []
-    meta_file = iteration_dir(root, iteration) / META
-    if not meta_file.exists() and args.ckpt_fallback and complete_iterations(root):
-        meta_file = iteration_dir(root, complete_iterations(root)[0]) / META  # what --ckpt-fallback will load
-    if not meta_file.exists():
-        return [f"--load {root}: {meta_file} is missing; the checkpoint is incomplete or not a cp_ext checkpoint"
+    iteration, saved = found
+    if saved is None:
+        return [f"--load {root}: {iteration_dir(root, iteration) / META} is missing; the checkpoint is incomplete or "
+                f"not a cp_ext checkpoint"
                 f"{'' if args.ckpt_fallback else ' (--ckpt-fallback loads the newest complete one instead)'}"]
-    saved = json.loads(meta_file.read_text())
     if saved.get("format") != "torch_dist":
         return [f"--load {root}: iteration {iteration} was written by an earlier cp_ext in per-rank files "
                 f"(mp_rank_*/model_optim_rng.pt), which this version does not read; resume it with the cp_ext "
@@ -126,6 +123,10 @@ def layout_problems(root, args):
             return [f"--load {root}: the checkpoint is of another model: {', '.join(changed)}; give the saving "
                     f"run's model flags (its config.yaml in the run's --log-dir lists them)"]
     p = []
+    if iteration > args.train_iters and not args.finetune and not args.skip_train:
+        p.append(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} (--load {root}): "
+                 f"there is nothing left to train; raise --train-iters above {iteration} to train on, or add "
+                 f"--finetune to start a new run from its weights")
     schedule = saved.get("schedule")  # absent in checkpoints written before it was recorded
     resumes_schedule = not (args.finetune or args.no_load_optim or args.override_opt_param_scheduler
                             or args.use_checkpoint_opt_param_scheduler)

@@ -102,6 +102,22 @@ def complete_iterations(root):
     return sorted(found, reverse=True)
 
 
+def meta_to_load(root, fallback):
+    """(iteration, meta.json) of the checkpoint a --load of `root` will read, or None if there is none.
+
+    The latest one; with --ckpt-fallback (`fallback`) and its meta.json missing, the newest complete one."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    meta_file = iteration_dir(root, iteration) / META
+    if not meta_file.exists() and fallback and complete_iterations(root):
+        iteration = complete_iterations(root)[0]
+        meta_file = iteration_dir(root, iteration) / META
+    if not meta_file.exists():
+        return iteration, None
+    return iteration, json.loads(meta_file.read_text())
+
+
 def _fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -193,7 +209,9 @@ class Checkpointer:
                 "grid": {name: getattr(args, name) for name in GRID_FLAGS},
                 "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
                 "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
-                "model": {name: getattr(args, name) for name in MODEL_FLAGS}}
+                "model": {name: getattr(args, name) for name in MODEL_FLAGS},
+                # the data position, and the length the train dataset's sample order was built for
+                "consumed_samples": self.trainer.consumed_samples, "train_samples": len(self.trainer.dataset)}
 
     def save(self, root):
         """Save every component at the trainer's iteration (collective)."""

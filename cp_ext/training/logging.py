@@ -26,7 +26,7 @@ def print_rank_0(message):
 class IterationLog:
     """Accumulates per-iteration metrics and prints one line every `log_interval` iterations."""
 
-    LOSS_KEYS = ("lm loss", "load balancing loss")
+    FIRST = ("lm loss", "load balancing loss")  # then any other MoE loss the router tracks (z loss, ...)
 
     def __init__(self, args, tokens_per_iteration, stream=None):
         self.args = args
@@ -40,8 +40,8 @@ class IterationLog:
     def record(self, iteration, consumed_samples, elapsed_s, metrics):
         self.count += 1
         self.elapsed += elapsed_s
-        for key in self.LOSS_KEYS:
-            if key in metrics:
+        for key in metrics:
+            if key.endswith(" loss"):
                 self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
         if iteration % self.args.log_interval and iteration != self.args.train_iters:
             return None
@@ -61,9 +61,9 @@ class IterationLog:
             f"learning rate: {metrics['learning rate']:.6E}",
             f"global batch size: {args.global_batch_size:5d}",
         ]
-        for key in self.LOSS_KEYS:
-            if key in self.sums:
-                parts.append(f"{key}: {self.sums[key] / self.count:.6E}")
+        ordered = [k for k in self.FIRST if k in self.sums] + sorted(k for k in self.sums if k not in self.FIRST)
+        for key in ordered:
+            parts.append(f"{key}: {self.sums[key] / self.count:.6E}")
         if metrics.get("grad norm") is not None:
             parts.append(f"grad norm: {metrics['grad norm']:.3f}")
         if metrics.get("skipped"):

@@ -28,9 +28,13 @@ METRIC_KEYS = {
 }
 
 
-def default_log_dir(args):
-    name = args.wandb_exp_name or time.strftime("run-%Y%m%d-%H%M%S")
-    return str(Path("runs") / name)
+
+def metric_key(name):
+    """The metrics.jsonl / wandb key of a trainer metric: the fixed ones, and every MoE loss
+    megatron's router tracks (``z loss`` -> ``train/z_loss``, ``seq load balancing loss``, ...)."""
+    if name in METRIC_KEYS:
+        return METRIC_KEYS[name]
+    return "train/" + name.replace(" ", "_") if name.endswith(" loss") else None
 
 
 class MetricsLogger:
@@ -41,19 +45,51 @@ class MetricsLogger:
             return
         self.dir = Path(args.log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        if start_iteration == 0:
+            self._move_aside_previous_run()
+        else:
+            self._truncate_after(start_iteration)
         config = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (int, float, str, bool, list, type(None)))}
         (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=True))
-        self.path = self.dir / "metrics.jsonl"
-        self._truncate_after(start_iteration)
         self.file = open(self.path, "a")
         if args.wandb_project:
             self.wandb_run = _init_wandb(args, config, self.dir)
 
+    def _move_aside_previous_run(self):
+        """A run starting at iteration 0 never writes over another run's numbers: a non-empty
+        metrics.jsonl (and its config.yaml) moves to ``previous-<time>/`` in the run directory."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        aside = self.dir / time.strftime("previous-%Y%m%d-%H%M%S")
+        aside.mkdir(exist_ok=True)
+        for name in ("metrics.jsonl", "config.yaml"):
+            if (self.dir / name).exists():
+                os.replace(self.dir / name, aside / name)
+        print_rank_0(f"note: --log-dir {self.dir} held another run's metrics.jsonl (this run starts at iteration 0); "
+                     f"moved it to {aside}/")
+
     def _truncate_after(self, iteration):
-        """On resume, drop lines a crashed run wrote past its last checkpoint (no duplicates)."""
+        """On resume, drop lines a crashed run wrote past its last checkpoint (no duplicates).
+
+        A torn last line (the run was killed mid-write) is dropped with a note; any other
+        line that is not a JSON object with an iteration is kept as it is."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                logged = int(record["iteration"])
+            except (ValueError, TypeError, KeyError):
+                if number == len(lines):
+                    print_rank_0(f"note: {self.path}: dropped a torn last line (the previous run stopped mid-write)")
+                else:
+                    kept.append(line)
+                continue
+            if logged <= iteration:
+                kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
@@ -62,9 +98,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"iteration": iteration}
-        for name, key in METRIC_KEYS.items():
-            if metrics.get(name) is not None:
-                record[key] = float(metrics[name])
+        for name, value in metrics.items():
+            key = metric_key(name)
+            if key is not None and value is not None:
+                record[key] = float(value)
         record["train/tokens_per_second"] = tokens_per_second
         record["train/iteration_time_ms"] = iteration_time_s * 1000.0
         record["train/memory_bytes"] = memory_bytes()

@@ -36,10 +36,10 @@ from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
-from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, release_save_lock
+from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, meta_to_load, release_save_lock
 from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
 from cp_ext.training.logging import IterationLog, print_rank_0
-from cp_ext.training.metrics import MetricsLogger, default_log_dir
+from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.signals import ExitSignalHandler
 from cp_ext.training.steps import forward_step
@@ -47,21 +47,44 @@ from cp_ext.training.steps import forward_step
 
 def initialize_distributed(args, device):
     """torch.distributed + megatron's parallel_state for the grid in `args`."""
+    # Every group gets --distributed-timeout-minutes (megatron's default for its own is 30):
+    # a stopped or hung rank makes the others fail with a message, not wait for half an hour.
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=distributed_backend(device),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
-        )
+        dist.init_process_group(backend=distributed_backend(device), timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    cp_state.initialize_context_parallel(args.ulysses_size)
+    cp_state.initialize_context_parallel(args.ulysses_size, timeout=timeout)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
+
+
+def train_samples(args):
+    """How many samples the train dataset is built for: the whole run, and on resume
+
+    * never fewer than the run still needs (consumed + remaining iterations x --global-batch-size),
+      so a changed --train-iters or --global-batch-size never wraps around to sample 0;
+    * the saving run's own count when that suffices, so the sample order is the one it trained on.
+    """
+    needed = args.train_iters * args.global_batch_size
+    found = meta_to_load(args.load, args.ckpt_fallback) if args.load and not args.finetune else None
+    saved = found[1] if found and found[1] else {}
+    if "consumed_samples" not in saved:
+        return needed
+    needed = max(needed, saved["consumed_samples"] + (args.train_iters - saved["iteration"]) * args.global_batch_size)
+    if saved["train_samples"] >= needed:
+        return saved["train_samples"]
+    print_rank_0(f"note: this run needs {needed} train samples, more than the {saved['train_samples']} the checkpoint's "
+                 f"run ordered (--train-iters or --global-batch-size grew): megatron's GPTDataset keeps the sample "
+                 f"order while the number of passes over the data stays the same and reshuffles when it grows, so "
+                 f"samples after the {saved['consumed_samples']} consumed ones may then repeat earlier ones")
+    return needed
 
 
 def attention_kernel_line(config, device):
@@ -86,7 +109,7 @@ class Trainer:
         initialize_distributed(args, self.device)
         if args.save:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
-        self.dataset = build_train_dataset(args)
+        self.dataset = build_train_dataset(args, train_samples(args))
         self.eval_datasets = {}
         for split in evaluation_splits(args):
             try:
@@ -96,11 +119,12 @@ class Trainer:
                     raise ConfigError(f"  - --eval-interval: {e}") from None
                 print_rank_0(f"note: no evaluation on the {split} split: {e}")
         vocab = args.vocab_size or self.dataset.vocab_size
-        args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+        self.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)
 
         self.config = transformer_config_from_args(args)
         print_rank_0(attention_kernel_line(self.config, self.device))
-        model = build_model(self.config, args).to(self.device)
+        model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(
@@ -179,6 +203,8 @@ class Trainer:
         tracker = get_moe_layer_wise_logging_tracker()
         if not tracker:
             return {}
+        if "z_loss" in tracker:  # megatron logs rank 0's tokens only; the mean over all is the layout-free value
+            tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         reduce_aux_losses_tracker_across_ranks()
         num_moe_layers = self.config.num_layers
         out = {}
@@ -201,6 +227,9 @@ class Trainer:
             f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
         )
         history = []
+        if self.iteration >= args.train_iters:
+            print_rank_0(f"nothing to train: the loaded checkpoint is at iteration {self.iteration} = --train-iters "
+                         f"{args.train_iters}; raise --train-iters to train on")
         signals = ExitSignalHandler() if args.exit_signal_handler else None
         while self.iteration < args.train_iters:
             start = time.perf_counter()
@@ -242,7 +271,6 @@ class Trainer:
         return history
 
     def open_metrics(self):
-        self.args.log_dir = self.args.log_dir or default_log_dir(self.args)
         self.metrics = MetricsLogger(self.args, start_iteration=self.iteration)
 
     def evaluate_only(self):
