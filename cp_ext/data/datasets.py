@@ -13,6 +13,8 @@ A dataset here is ``len(ds)``, ``ds[i]`` -> {tokens, labels, loss_mask, position
 and which tokens of it, is `cp_ext.training.batches`' job.
 """
 
+import math
+
 from cp_ext.data.indexed import indexed_dataset_problems
 from cp_ext.data.tokenizers import build_tokenizer
 
@@ -40,14 +42,14 @@ def parse_blend(data_path):
     weights, prefixes = data_path[0::2], data_path[1::2]
     if not all(_is_number(w) for w in weights) or any(_is_number(p) for p in prefixes):
         raise ValueError(f"--data-path {' '.join(data_path)}: weights and prefixes must alternate (W1 P1 W2 P2 ...)")
-    if any(float(w) < 0 for w in weights) or not sum(map(float, weights)) > 0:
-        raise ValueError(f"--data-path {' '.join(data_path)}: blend weights must be >= 0 and not all zero")
+    if not all(math.isfinite(float(w)) and float(w) >= 0 for w in weights) or not sum(map(float, weights)) > 0:
+        raise ValueError(f"--data-path {' '.join(data_path)}: blend weights must be finite, >= 0 and not all zero")
     return list(prefixes), [float(w) for w in weights]
 
 
 def _is_number(text):
     try:
-        float(text)
+        float(text)  # "inf" and "nan" are numbers here, so they are refused as weights, not read as prefixes
         return True
     except ValueError:
         return False
@@ -82,9 +84,11 @@ def data_file_problems(args) -> list:
 SPLITS = ("train", "valid", "test")
 
 
-def build_train_dataset(args) -> TrainDataset:
-    """The train split for `args` (collective when torch.distributed is initialized)."""
-    return build_split_dataset(args, "train", args.train_iters * args.global_batch_size)
+def build_train_dataset(args, num_samples=None) -> TrainDataset:
+    """The train split for `args`, ``num_samples`` long (default: --train-iters x --global-batch-size;
+    a resumed run passes what it still needs, see `cp_ext.training.trainer`). Collective when
+    torch.distributed is initialized."""
+    return build_split_dataset(args, "train", num_samples or args.train_iters * args.global_batch_size)
 
 
 def build_eval_dataset(args, split) -> TrainDataset:
