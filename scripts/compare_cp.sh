@@ -5,7 +5,7 @@
 # exits with its own non-zero status before any comparison.
 #
 #   scripts/compare_cp.sh CONFIG.yaml CP [pretrain_moe.py flags for both runs...]
-#   scripts/compare_cp.sh configs/cpu_demo.yaml 2                  # 4 CPU ranks: TP2xCP2 vs TP2xDP2
+#   scripts/compare_cp.sh configs/cpu_demo.yaml 2                  # 4 CPU ranks: CP2xDP2 vs DP4
 #   NPROC=2 scripts/compare_cp.sh configs/cpu_demo.yaml 2 --tensor-model-parallel-size 1 --train-iters 5
 #
 # Both runs use NPROC ranks (default: GPUs on the node, else 4), so DP = NPROC/(TP x PP x CP)
