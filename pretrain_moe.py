@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", categ
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
+warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)  # megatron's checkpoint format
 
 
 

@@ -305,6 +305,7 @@ ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_reco
 def build_parser():
     parser = ArgumentParser(
         prog="pretrain_moe.py",
+        allow_abbrev=False,  # as in Megatron-LM: --num-layer is a typo, not --num-layers
         description="Train a MoE GPT with megatron-core and cp_ext (Megatron-LM flag names).",
     )
     parser.add_argument("--config", default=None, help="YAML file of defaults; flags override it")

@@ -1,0 +1,148 @@
+"""Every bad input a careless or hostile user tried (issue #16), run as the user runs it.
+
+Each row starts the real `pretrain_moe.py` (plain ``python``, one rank) and must end within
+30 s with exit status 2, one ``configuration error`` message naming the flag or file and
+the fix, and no Python traceback. A few rows go through torchrun with 2 ranks: the message
+is printed once, by rank 0. The README's reliability section reports this table's size.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.launch import REPO_ROOT
+
+
+
+def _crafted_checkpoint(root, iteration):
+    """A checkpoint directory as parse-time checks read it (tracker, meta.json, metadata.json)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    it = root / f"iter_{iteration:07d}"
+    it.mkdir(exist_ok=True)
+    (it / "metadata.json").write_text("{}")
+    (it / "meta.json").write_text(json.dumps({"iteration": iteration, "format": "torch_dist"}))
+    return root
+
+
+# id: (argv, YAML text or None, texts the message must hold)
+CASES = {
+    # YAML values are typed by the flags' own parser
+    "yaml-bool-as-string": ([], 'bf16: "false"', ["bf16", "not a boolean"]),
+    "yaml-device-gpu": ([], "device: gpu", ["device", "invalid choice: 'gpu'", "'cuda'"]),
+    "yaml-choice-case": ([], "cp-load-balance: Zigzag", ["cp-load-balance", "'Zigzag'", "'zigzag'"]),
+    "yaml-list-for-int": ([], "seq-length: [128]", ["seq-length", "takes one value"]),
+    "yaml-string-data-path": ([], "data-path: /nonexistent/prefix", ["/nonexistent/prefix.bin"]),
+    "yaml-unknown-key": ([], "num-layer: 4", ["unknown key 'num-layer'"]),
+    "yaml-not-a-mapping": ([], "- 1\n- 2", ["expected a mapping"]),
+    "yaml-null-value": ([], "lr:", ["lr", "give a value"]),
+    "config-missing": (["--config", "/nonexistent/run.yaml"], None, ["/nonexistent/run.yaml", "cannot read"]),
+    # sizes and counts: >= 1 where 0 would fall back to a default or divide by zero
+    "ffn-hidden-size-0": (["--ffn-hidden-size", "0"], None, ["--ffn-hidden-size", ">= 1", "got 0"]),
+    "moe-ffn-hidden-size-0": (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], None, ["--moe-ffn-hidden-size"]),
+    "lr-decay-iters-0": (["--lr-decay-iters", "0"], None, ["--lr-decay-iters", ">= 1"]),
+    "exit-interval-negative": (["--exit-interval", "-1"], None, ["--exit-interval", "got -1"]),
+    "heads-0": (["--num-attention-heads", "0"], None, ["--num-attention-heads", ">= 1"]),
+    "hidden-0": (["--hidden-size", "0"], None, ["--hidden-size", ">= 1"]),
+    "hidden-negative": (["--hidden-size", "-64"], None, ["--hidden-size", "got -64"]),
+    "kv-channels-0": (["--kv-channels", "0"], None, ["--kv-channels", ">= 1"]),
+    "topk-0": (["--num-experts", "4", "--moe-router-topk", "0"], None, ["--moe-router-topk", ">= 1"]),
+    "global-batch-0": (["--global-batch-size", "0"], None, ["--global-batch-size", "got 0"]),
+    "global-batch-negative": (["--global-batch-size", "-2"], None, ["--global-batch-size", "got -2"]),
+    "train-iters-0": (["--train-iters", "0"], None, ["--train-iters", ">= 1"]),
+    "vocab-divisible-0": (["--make-vocab-size-divisible-by", "0"], None, ["--make-vocab-size-divisible-by"]),
+    "timeout-0": (["--distributed-timeout-minutes", "0"], None, ["--distributed-timeout-minutes", ">= 1"]),
+    "seq-length-text": (["--seq-length", "abc"], None, ["--seq-length", "'abc' is not an integer"]),
+    "seq-length-float": (["--seq-length", "1.5"], None, ["--seq-length", "'1.5' is not an integer"]),
+    # rates and probabilities: finite and in range
+    "lr-nan": (["--lr", "nan"], None, ["--lr", "got nan"]),
+    "lr-inf": (["--lr", "inf"], None, ["--lr", "got inf"]),
+    "adam-beta2-above-1": (["--adam-beta2", "1.5"], None, ["--adam-beta2", "< 1"]),
+    "dropout-above-1": (["--hidden-dropout", "1.5"], None, ["--hidden-dropout", "< 1"]),
+    "adam-eps-0": (["--adam-eps", "0"], None, ["--adam-eps", "> 0"]),
+    # data
+    "split-no-train": (["--split", "0,100,0"], None, ["--split 0,100,0", "train's > 0"]),
+    "split-text": (["--split", "abc"], None, ["--split abc", "e.g. 969,30,1"]),
+    "split-inf": (["--split", "inf,1,1"], None, ["--split inf,1,1"]),
+    "data-path-inf-weight": (["--data-path", "inf", "P1", "1", "P2"], None, ["--data-path inf P1 1 P2", "finite"]),
+    # router: megatron's rules said before anything is built
+    "top1-without-pre-softmax": (["--num-experts", "4", "--moe-router-topk", "1"], None, ["--moe-router-pre-softmax"]),
+    "expert-bias-with-softmax": (["--num-experts", "4", "--moe-router-enable-expert-bias"], None,
+                                 ["--moe-router-score-function sigmoid"]),
+    "router-flag-on-dense-model": (["--moe-z-loss-coeff", "1e-3"], None, ["--moe-z-loss-coeff needs --num-experts"]),
+    "group-topk-alone": (["--num-experts", "4", "--moe-router-group-topk", "1"], None, ["--moe-router-num-groups"]),
+    # flags that do not exist, and devices that are not there
+    "unknown-flag": (["--num-layer", "4"], None, ["unrecognized arguments: --num-layer"]),
+    "device-cuda-without-cuda": (["--device", "cuda"], None, ["--device cuda", "--device cpu"]),
+    # a checkpoint the run cannot continue
+    "train-iters-below-checkpoint": (["--train-iters", "3", "--load", "{ckpt}"], None,
+                                     ["--train-iters 3 is below the checkpoint's iteration 5", "--finetune"]),
+}
+
+
+def _run(cmd, tmp_path, yaml_text=None, env=None):
+    if yaml_text is not None:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml_text)
+        cmd = cmd + ["--config", str(config)]
+    run_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run_env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=run_env, timeout=120)
+    return proc, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """All rows, two at a time (each is a separate Python process)."""
+    def one(case):
+        argv, yaml_text, _ = CASES[case]
+        tmp = tmp_path_factory.mktemp(case)
+        argv = [a.replace("{ckpt}", str(_crafted_checkpoint(tmp / "ckpt", 5))) for a in argv]
+        return case, _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), *argv], tmp, yaml_text)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(one, CASES))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gets_one_clear_message(outcomes, case):
+    (proc, seconds), must_name = outcomes[case], CASES[case][2]
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("pretrain_moe.py: configuration error") == 1, proc.stderr
+    for text in must_name:
+        assert text in proc.stderr, f"{text!r} missing from:\n{proc.stderr}"
+    assert seconds < 30, f"{case} took {seconds:.1f} s"
+    assert "iteration" not in proc.stdout  # refused before any training
+
+
+@pytest.mark.parametrize("case", ["heads-0", "yaml-device-gpu", "train-iters-below-checkpoint"])
+def test_torchrun_prints_the_message_once(tmp_path, case):
+    argv, yaml_text, must_name = CASES[case]
+    argv = [a.replace("{ckpt}", str(_crafted_checkpoint(tmp_path / "ckpt", 5))) for a in argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO_ROOT / "pretrain_moe.py"), *argv]
+    proc, seconds = _run(cmd, tmp_path, yaml_text)
+    assert proc.returncode != 0 and seconds < 30
+    assert proc.stderr.count("pretrain_moe.py: configuration error") == 1, proc.stderr
+    assert must_name[0] in proc.stderr and "[rank0]: Traceback" not in proc.stderr
+
+
+def test_other_megatron_core_version_is_refused(tmp_path):
+    """A megatron-core other than the pin (shadowed here by a dist-info of another version) is one message."""
+    fake = tmp_path / "site" / "megatron_core-0.15.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.15.0\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT)])}
+    proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py")], tmp_path, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs megatron-core==0.16.1, but 0.15.0 is installed" in proc.stderr
+    proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), "--help"], tmp_path,
+                   env={**env, "CP_EXT_ALLOW_MEGATRON_CORE": "0.15.0"})
+    assert proc.returncode == 0, proc.stderr  # the documented way to try another version

@@ -1,0 +1,55 @@
+"""A stopped rank ends the job within --distributed-timeout-minutes, with a message; no 30-minute wait.
+
+A real 2-rank run (DP2 over gloo) with --distributed-timeout-minutes 1: once it trains, rank 1
+is frozen with SIGSTOP (as a debugger, a swapped-out node or a stuck driver would). Every
+collective of rank 0 runs on some megatron or cp_ext group; each must carry the timeout, so
+rank 0 must exit non-zero within the timeout plus a minute, saying which flag ran out.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.launch import REPO_ROOT
+
+TIMEOUT_MINUTES = 1
+
+
+def _wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO_ROOT / "pretrain_moe.py"), "--num-experts", "4", "--train-iters", "100000",
+           "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), "--log-dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        job = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        _wait_for(lambda: "iteration        3/" in out.read_text() or job.poll() is not None, 240, "iteration 3")
+        assert job.poll() is None, err.read_text()[-3000:]
+        ranks = {p.environ().get("RANK"): p for p in psutil.Process(job.pid).children(recursive=True)
+                 if p.environ().get("RANK") is not None}
+        ranks["1"].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _wait_for(lambda: not ranks["0"].is_running() or ranks["0"].status() == psutil.STATUS_ZOMBIE,
+                  TIMEOUT_MINUTES * 60 + 90, "rank 0 to give up")
+        waited = time.monotonic() - stopped
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the stopped rank cannot act on torchrun's SIGTERM
+        job.wait()
+    text = err.read_text()
+    assert waited < TIMEOUT_MINUTES * 60 + 60, f"rank 0 gave up after {waited:.0f} s"
+    assert f"rank 0: a collective waited longer than --distributed-timeout-minutes {TIMEOUT_MINUTES}" in text, text[-3000:]
+    assert "[rank0]: Traceback" not in text
