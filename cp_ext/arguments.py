@@ -130,7 +130,7 @@ def _add_model_args(parser):
                         "rank's tokens and global_aux_loss averages over the microbatches seen so far, so both would "
                         "train a different model on another CP/DP layout")
     g.add_argument("--moe-aux-loss-coeff", type=number(float, 0), default=1e-2)
-    g.add_argument("--moe-z-loss-coeff", type=number(float, 0), default=None,
+    g.add_argument("--moe-z-loss-coeff", type=number(float, 0, above=True), default=None,
                    help="ST-MoE's router z-loss coefficient (1e-3 is a good start); logged as z loss")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax (or sigmoid) before the top-k instead of after it; required with "

@@ -75,6 +75,7 @@ CASES = {
     "expert-bias-with-softmax": (["--num-experts", "4", "--moe-router-enable-expert-bias"], None,
                                  ["--moe-router-score-function sigmoid"]),
     "router-flag-on-dense-model": (["--moe-z-loss-coeff", "1e-3"], None, ["--moe-z-loss-coeff needs --num-experts"]),
+    "z-loss-coeff-0": (["--num-experts", "4", "--moe-z-loss-coeff", "0"], None, ["--moe-z-loss-coeff", "> 0"]),
     "group-topk-alone": (["--num-experts", "4", "--moe-router-group-topk", "1"], None, ["--moe-router-num-groups"]),
     # flags that do not exist, and devices that are not there
     "unknown-flag": (["--num-layer", "4"], None, ["unrecognized arguments: --num-layer"]),
