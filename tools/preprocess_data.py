@@ -21,6 +21,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from cp_ext.arguments import POSITIVE  # noqa: E402
 from cp_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 _TOKENIZER = None
@@ -90,8 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
     p.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
+    p.add_argument("--workers", type=POSITIVE, default=1, help="tokenizing processes")
+    p.add_argument("--log-interval", type=POSITIVE, default=10000, help="documents between progress lines")
     return p.parse_args(argv)
 
 
