@@ -22,11 +22,11 @@ warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWa
 
 
 def main(argv=None):
-    _single_process_without_torchrun()
     try:
-        from cp_ext.arguments import ConfigError, parse_args_or_exit
+        from cp_ext.arguments import ConfigError, parse_args_or_exit, single_process_without_torchrun
     except ImportError as e:  # megatron-core missing or not the pinned version
         _fail_once(str(e), 2)
+    single_process_without_torchrun()
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
     from cp_ext.training.checkpointing import CheckpointReadError
     from cp_ext.training.trainer import Trainer
@@ -57,19 +57,6 @@ def _is_collective_timeout(error):
     """gloo's and NCCL's timeout errors (DistBackendError / RuntimeError, by their message)."""
     text = str(error).lower()
     return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
-
-
-def _single_process_without_torchrun():
-    """``python pretrain_moe.py ...`` runs as one rank, as torchrun --nproc-per-node 1 would."""
-    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _fail_once(message, status):

@@ -767,6 +767,19 @@ def validate_args(args):
     return p
 
 
+def single_process_without_torchrun():
+    """``python pretrain_moe.py ...`` (or a tool) runs as one rank, as torchrun --nproc-per-node 1 would."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def parse_args_or_exit(argv=None):
     """`parse_args`, but a ConfigError prints once (rank 0) and exits with status 2 on every rank."""
     try:

@@ -62,6 +62,9 @@ class CoreAttention(MegatronModule):
         self.kernel = getattr(config, "attention_kernel", "auto")
         # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).
         self.kept = KeptAttention()
+        # Generation (cp_ext.inference.generate): the sharded KV cache this layer fills at prefill
+        # and attends to at decode; None while training.
+        self.kv_cache = None
 
     def forward(
         self,
@@ -80,6 +83,12 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
+        if self.kv_cache is not None:
+            layer = self.layer_number - 1
+            if self.kv_cache.decoding:  # one new token against the CP-sharded cache
+                scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
+                return self.kv_cache.attend(layer, query, key, value, scale).reshape(seq, batch, heads * head_dim)
+            self.kv_cache.store_prefill(layer, key, value, num_heads=heads)  # then attend as in training
         if getattr(self.config, "cp_aware_recompute", False) and self.training:
             from cp_ext import parallel_state as cp_state
 

@@ -1,0 +1,156 @@
+"""A KV cache sharded the way context parallelism sharded the prompt, and decode attention on it.
+
+A CP group of C = U x R ranks (U Ulysses, R ring) prefills a prompt with the training
+layout. Rank (u, r) then keeps, for every layer, what the hybrid attention held at its ring
+step: the keys and values of **ring shard r** (its ring's tokens) for the **u-th slice of the
+KV heads** (after the GQA replication of `cp_ext.attention.ulysses.kv_replicas`)::
+
+    pure ring (U = 1)     rank r: its sequence shard, all heads
+    pure Ulysses (R = 1)  rank u: the whole prompt, heads u*h/U ... (u+1)*h/U
+    hybrid                rank (u, r): ring shard r, head slice u
+
+so each rank holds 1/C of the cache and no rank holds all of it unless C = 1. Keys are cached
+after RoPE (at their global positions), so their order in the cache does not matter.
+
+Decoding one token (the same hidden state on every CP rank; the new token attends to every
+cached key, so there is no mask)::
+
+    1. q, k, v of the new token; this rank keeps its head slice u of each
+    2. ring rank (t mod R) of every ring appends k, v: new tokens are dealt round robin
+    3. local attention of q against this rank's cache            -> (out, lse) partial
+    4. all-gather (out, lse) over the ring group, LSE merge       -> out for heads u
+       (`cp_ext.attention.utils.update_out_and_lse`, training's ring merge)
+    5. all-gather the head slices over the Ulysses group          -> out for all heads
+
+Per decoded token and layer a rank receives (R-1) x b x h/U x (d+1) fp32 values from its ring
+and (U-1) x b x h/U x d from its Ulysses group (`decode_bytes_per_token_layer`).
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from cp_ext.attention.kernels import get_kernel
+from cp_ext.attention.ulysses import kv_replicas, seq_to_heads
+from cp_ext.attention.utils import accum_dtype, update_out_and_lse
+from cp_ext.perf.counter import COMM_COUNTER
+
+
+def decode_bytes_per_token_layer(batch, heads, head_dim, ulysses, ring, itemsize=4):
+    """Bytes one rank receives per decoded token and layer: the ring's (out, LSE) partials of its
+    head slice from R-1 peers, then the other U-1 head slices of the output."""
+    local_heads = heads // ulysses
+    return itemsize * batch * local_heads * ((ring - 1) * (head_dim + 1) + (ulysses - 1) * head_dim)
+
+
+class LayerKVCache:
+    """One layer's keys and values on this rank, [b, hk', capacity, d], filled to ``length``."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        b, hk, s, d = keys.shape
+        self.keys = keys.new_empty(b, hk, s + room, d)
+        self.values = values.new_empty(b, hk, s + room, d)
+        self.keys[:, :, :s], self.values[:, :, :s] = keys, values
+        self.length = s
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.length == self.keys.shape[2]:
+            raise RuntimeError("KV cache full: more tokens than the generation asked room for")
+        self.keys[:, :, self.length], self.values[:, :, self.length] = k, v
+        self.length += 1
+
+    def view(self):
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+
+class ShardedKVCache:
+    """Every layer's cache on this rank, and the CP exchange of a decode step.
+
+    ``room``: decode tokens this rank may have to keep (appends beyond the prompt)."""
+
+    def __init__(self, num_layers: int, *, ulysses_group=None, ring_group=None, room: int, kernel: str = "auto"):
+        self.layers: List[Optional[LayerKVCache]] = [None] * num_layers
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+        self.ulysses_size = dist.get_world_size(ulysses_group) if dist.is_initialized() else 1
+        self.ring_size = dist.get_world_size(ring_group) if dist.is_initialized() else 1
+        self.ulysses_rank = dist.get_rank(ulysses_group) if dist.is_initialized() else 0
+        self.ring_rank = dist.get_rank(ring_group) if dist.is_initialized() else 0
+        self.room, self.kernel = room, kernel
+        self.decoding = False  # False: the model's attention runs a prefill and stores its k, v here
+        self.decoded = 0  # tokens decoded so far: who appends the next one
+
+    # ------------------------------------------------------------ prefill
+    def store_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, num_heads: int) -> None:
+        """Keep this rank's share of a prefill's k, v ([s_local, b, hk, d], after RoPE).
+
+        The Ulysses all-to-all gives this rank its ring shard for its head slice, exactly what
+        the attention's own exchange gives it (`cp_ext.attention.ulysses.ulysses_exchange`)."""
+        rep = kv_replicas(num_heads, key.shape[2], self.ulysses_size)
+        if rep > 1:
+            key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+        to_cache = lambda x: seq_to_heads(x, self.ulysses_group).permute(1, 2, 0, 3)  # -> [b, hk', s_ring, d]
+        room = -(-self.room // self.ring_size)  # round robin: at most ceil(room / R) appends on one ring rank
+        self.layers[layer] = LayerKVCache(to_cache(key).contiguous(), to_cache(value).contiguous(), room)
+
+    def start_empty(self, config, device, batch: int = 1) -> None:
+        """Empty caches, for a prompt too short for any CP prefill (every token is decoded)."""
+        heads, kv_heads = config.num_attention_heads, config.num_query_groups
+        kv_here = kv_heads * kv_replicas(heads, kv_heads, self.ulysses_size) // self.ulysses_size
+        empty = torch.empty(batch, kv_here, 0, config.kv_channels, dtype=config.params_dtype, device=device)
+        room = -(-self.room // self.ring_size)
+        self.layers = [LayerKVCache(empty, empty, room) for _ in self.layers]
+
+    # ------------------------------------------------------------ decode
+    def _my_heads(self, x: torch.Tensor, rep: int = 1) -> torch.Tensor:
+        """[1, b, heads, d] -> this Ulysses rank's head slice in kernel layout [b, heads', 1, d]."""
+        if rep > 1:
+            x = x.repeat_interleave(rep, dim=2)
+        n = x.shape[2] // self.ulysses_size
+        return x[:, :, self.ulysses_rank * n:(self.ulysses_rank + 1) * n].permute(1, 2, 0, 3)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d]) over the whole
+        sequence so far; returns [1, b, h, d], the same on every rank of the CP group."""
+        cache = self.layers[layer]
+        rep = kv_replicas(q.shape[2], k.shape[2], self.ulysses_size)
+        if self.decoded % self.ring_size == self.ring_rank:
+            cache.append(self._my_heads(k, rep)[:, :, 0], self._my_heads(v, rep)[:, :, 0])
+        q_mine = self._my_heads(q)
+        keys, values = cache.view()
+        kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q.shape[-1])
+        out, lse = kernel.forward(q_mine, keys, values, causal=False, scale=softmax_scale)
+        out = self._merge_over_ring(out.to(accum_dtype(q.dtype)), lse.to(accum_dtype(q.dtype)))
+        return self._gather_heads(out.to(q.dtype))
+
+    def finish_token(self) -> None:
+        """Called once per decoded token, after every layer: the next one goes to the next ring rank."""
+        self.decoded += 1
+
+    def _merge_over_ring(self, out, lse):
+        if self.ring_size == 1:
+            return out
+        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # one message: [b, h', 1, d+1]
+        parts = [torch.empty_like(packed) for _ in range(self.ring_size)]
+        if COMM_COUNTER.enabled:
+            COMM_COUNTER.add("decode_ring_gather", packed.nbytes * (self.ring_size - 1))
+        dist.all_gather(parts, packed, group=self.ring_group)
+        # Merge in ring-rank order on every rank, so every rank gets the same bits.
+        merged_out, merged_lse = parts[0][..., :-1].clone(), parts[0][..., -1].clone()
+        for part in parts[1:]:
+            update_out_and_lse(merged_out, merged_lse, part[..., :-1], part[..., -1])
+        return merged_out
+
+    def _gather_heads(self, out):
+        """[b, h/U, 1, d] head slices of the Ulysses group -> [1, b, h, d]."""
+        if self.ulysses_size > 1:
+            parts = [torch.empty_like(out) for _ in range(self.ulysses_size)]
+            if COMM_COUNTER.enabled:
+                COMM_COUNTER.add("decode_ulysses_gather", out.nbytes * (self.ulysses_size - 1))
+            dist.all_gather(parts, out.contiguous(), group=self.ulysses_group)
+            out = torch.cat(parts, dim=1)
+        return out.permute(2, 0, 1, 3)
+
+    def bytes_held(self) -> int:
+        """The cache bytes this rank holds (keys and values, filled part)."""
+        return sum(2 * c.length * c.keys[:, :, :1].nelement() * c.keys.element_size() for c in self.layers if c)

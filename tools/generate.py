@@ -1,0 +1,150 @@
+"""Generate text from a checkpoint with the sharding it trained with: CP prefill, CP-sharded KV cache.
+
+    torchrun --nproc-per-node 2 tools/generate.py --load CKPT --config configs/cpu_passkey.yaml \\
+        --context-parallel-size 2 --prompt "..." --max-new-tokens 32 [--output out.jsonl]
+
+Any flag pretrain_moe.py takes sets the model and the grid (give the training run's model flags;
+the checkpoint's shape is checked against them, and a checkpoint loads at any grid). Generation
+runs at TP = PP = 1 with any CP (ring, Ulysses, hybrid: --ulysses-size), EP and DP; every rank
+generates the same tokens and rank 0 writes them. Prompts: ``--prompt TEXT`` (repeatable),
+``--prompt-file FILE`` (the whole file is one prompt) or ``--prompt-jsonl FILE`` (one JSON object
+per line with a "prompt" or "text" string). Greedy by default; ``--temperature T`` samples, cut by
+``--top-k`` / ``--top-p``, seeded by ``--seed``. Generation stops at ``--max-new-tokens`` or the
+tokenizer's end-of-document token. Each prompt prints its text and token ids; ``--output`` writes
+one JSON line per prompt. Without ``--load`` the model keeps its random initialization (--seed):
+for benchmarks and tests. How it works: `cp_ext.inference`.
+"""
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from cp_ext.arguments import (  # noqa: E402
+    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, number, parse_args, single_process_without_torchrun,
+)
+
+
+def tool_parser():
+    p = ArgumentParser(prog="generate.py", add_help=False, allow_abbrev=False)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompt-file", default=None, help="a text file: the whole file is one prompt")
+    p.add_argument("--prompt-jsonl", default=None, help='one {"prompt": ...} (or "text") object per line')
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0: greedy (the default)")
+    p.add_argument("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k most likely (0: all)")
+    p.add_argument("--top-p", type=number(float, 0, 1, above=True), default=1.0,
+                   help="sample among the most likely tokens holding this much probability")
+    p.add_argument("--max-position-embeddings", type=POSITIVE, default=None,
+                   help="refuse prompt + new tokens longer than this (Megatron's flag: the positions the "
+                        "model may use); past --seq-length only a warning")
+    p.add_argument("--output", default=None, help="write one JSON line per prompt")
+    return p
+
+
+def read_prompts(tool):
+    """The prompts as text, from --prompt, --prompt-file and --prompt-jsonl; ConfigError naming the file/line."""
+    prompts = list(tool.prompt)
+    if tool.prompt_file:
+        try:
+            prompts.append(Path(tool.prompt_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"  - --prompt-file {tool.prompt_file}: cannot read it as UTF-8 text ({e})")
+    if tool.prompt_jsonl:
+        try:
+            lines = Path(tool.prompt_jsonl).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"  - --prompt-jsonl {tool.prompt_jsonl}: cannot read it as UTF-8 text ({e})")
+        for number_, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"  - --prompt-jsonl {tool.prompt_jsonl} line {number_}: not JSON ({e.msg})")
+            text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError(f"  - --prompt-jsonl {tool.prompt_jsonl} line {number_}: expected an object with "
+                                  f"a \"prompt\" (or \"text\") string")
+            prompts.append(text)
+    if not prompts:
+        raise ConfigError("  - no prompt: give --prompt TEXT, --prompt-file FILE or --prompt-jsonl FILE")
+    if any(not p for p in prompts):
+        raise ConfigError("  - an empty prompt: every prompt needs at least one token")
+    return prompts
+
+
+def length_problems(tool, args, lengths):
+    """A prompt the model cannot take: refused past --max-position-embeddings, warned past --seq-length."""
+    longest = max(lengths) + tool.max_new_tokens
+    if tool.max_position_embeddings and longest > tool.max_position_embeddings:
+        return [f"a prompt of {max(lengths)} tokens + --max-new-tokens {tool.max_new_tokens} = {longest} positions "
+                f"exceeds --max-position-embeddings {tool.max_position_embeddings}; shorten the prompt or generate "
+                f"fewer tokens"]
+    return []
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    single_process_without_torchrun()
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        tool, rest = tool_parser().parse_known_args(argv)
+        args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
+        prompts = read_prompts(tool)
+        if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
+            raise ConfigError("  - generation runs at --tensor-model-parallel-size 1 and --pipeline-model-parallel-size "
+                              "1 (any CP, EP, DP); checkpoints reshard, so load this one at TP1 PP1")
+        from cp_ext.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
+        problems = length_problems(tool, args, [len(ids) for ids in encoded])
+        if problems:
+            raise ConfigError("\n".join(f"  - {p}" for p in problems))
+    except ConfigError as e:
+        if rank0:
+            print(f"generate.py: configuration error:\n{e}", file=sys.stderr)
+        sys.exit(2)
+
+    from cp_ext.inference import Generator, Sampling
+    from cp_ext.training.trainer import Trainer
+
+    def say(text):
+        if rank0:
+            print(text, flush=True)
+
+    longest = max(len(ids) for ids in encoded) + tool.max_new_tokens
+    if longest > args.seq_length:
+        say(f"warning: up to {longest} positions, beyond --seq-length {args.seq_length}: RoPE positions the model "
+            f"never trained on; quality may fall")
+    if not args.load:
+        say(f"note: no --load: generating from the random initialization of --seed {args.seed}")
+    trainer = Trainer(args)
+    generator = Generator(trainer)
+    sampling = Sampling(temperature=tool.temperature, top_k=tool.top_k, top_p=tool.top_p, seed=args.seed)
+    records = []
+    for text, ids in zip(prompts, encoded):
+        out = generator.generate(ids, tool.max_new_tokens, sampling, stop_ids=(tokenizer.eod,))
+        generated = tokenizer.detokenize([t for t in out.new_ids if t != tokenizer.eod])
+        if out.prefilled < len(ids):
+            say(f"note: the CP layout splits {out.prefilled} of the prompt's {len(ids)} tokens; the last "
+                f"{len(ids) - out.prefilled} were decoded one by one (exact, no padding)")
+        say(f"prompt ({len(ids)} tokens): {text[-200:]!r}\ngenerated ({len(out.new_ids)} tokens): {generated!r}\n"
+            f"ids: {out.new_ids}")
+        records.append({"prompt": text, "prompt_tokens": len(ids), "ids": out.new_ids, "text": generated})
+    if rank0 and tool.output:
+        Path(tool.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(tool.output).write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"wrote {tool.output}", flush=True)
+    trainer.shutdown()
+
+
+if __name__ == "__main__":
+    main()
