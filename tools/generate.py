@@ -27,7 +27,8 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", categ
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from cp_ext.arguments import (  # noqa: E402
-    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, number, parse_args, single_process_without_torchrun,
+    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, build_parser, number, parse_args,
+    single_process_without_torchrun,
 )
 
 
@@ -45,6 +46,9 @@ def tool_parser():
                    help="refuse prompt + new tokens longer than this (Megatron's flag: the positions the "
                         "model may use); past --seq-length only a warning")
     p.add_argument("--output", default=None, help="write one JSON line per prompt")
+    p.add_argument("--passkey-samples", type=POSITIVE, default=None,
+                   help="with --synthetic-task passkey: instead of text prompts, N held-out passkey samples up to "
+                        "their query token; generates the key's digits and reports how many keys came out right")
     return p
 
 
@@ -80,6 +84,17 @@ def read_prompts(tool):
     return prompts
 
 
+def passkey_prompts(tool, args):
+    """Held-out passkey samples (the test split's seed) cut after their query token; the key follows."""
+    from cp_ext.data.passkey import PasskeyDataset
+
+    data = PasskeyDataset(args.seq_length, tool.passkey_samples, args.data_seed + 2)
+    tool.max_new_tokens = data.key_length
+    samples = [data[i]["tokens"].tolist() + [int(data[i]["labels"][-1])] for i in range(len(data))]
+    tool.passkey_answers = [s[-data.key_length:] for s in samples]
+    return [s[:-data.key_length] for s in samples]
+
+
 def length_problems(tool, args, lengths):
     """A prompt the model cannot take: refused past --max-position-embeddings, warned past --seq-length."""
     longest = max(lengths) + tool.max_new_tokens
@@ -96,15 +111,18 @@ def main(argv=None):
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         tool, rest = tool_parser().parse_known_args(argv)
-        args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
-        prompts = read_prompts(tool)
-        if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
+        grid, _ = build_parser().parse_known_args(rest)  # unvalidated: the grid generation supports comes first
+        if grid.tensor_model_parallel_size > 1 or grid.pipeline_model_parallel_size > 1:
             raise ConfigError("  - generation runs at --tensor-model-parallel-size 1 and --pipeline-model-parallel-size "
                               "1 (any CP, EP, DP); checkpoints reshard, so load this one at TP1 PP1")
+        args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
+        if tool.passkey_samples and args.synthetic_task != "passkey":
+            raise ConfigError("  - --passkey-samples needs --synthetic-task passkey (the task the model was trained on)")
+        prompts = read_prompts(tool) if not tool.passkey_samples else []
         from cp_ext.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
+        encoded = [tokenizer.tokenize(p).tolist() for p in prompts] if prompts else passkey_prompts(tool, args)
         problems = length_problems(tool, args, [len(ids) for ids in encoded])
         if problems:
             raise ConfigError("\n".join(f"  - {p}" for p in problems))
@@ -130,6 +148,15 @@ def main(argv=None):
     generator = Generator(trainer)
     sampling = Sampling(temperature=tool.temperature, top_k=tool.top_k, top_p=tool.top_p, seed=args.seed)
     records = []
+    if tool.passkey_samples:
+        right = 0
+        for ids, answer in zip(encoded, tool.passkey_answers):
+            out = generator.generate(ids, tool.max_new_tokens, sampling)
+            right += out.new_ids == answer
+            records.append({"prompt_tokens": len(ids), "ids": out.new_ids, "key": answer})
+        say(f"passkey: {right} of {len(encoded)} keys generated right ({len(encoded[0])}-token prompts, "
+            f"CP {args.context_parallel_size}, Ulysses {args.ulysses_size})")
+        prompts = []
     for text, ids in zip(prompts, encoded):
         out = generator.generate(ids, tool.max_new_tokens, sampling, stop_ids=(tokenizer.eod,))
         generated = tokenizer.detokenize([t for t in out.new_ids if t != tokenizer.eod])

@@ -17,6 +17,7 @@ Only TP = PP = 1 here: tensor- and pipeline-parallel decoding need the sequence-
 stage-to-stage paths of megatron's inference engine, which assumes CP = 1.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -48,6 +49,9 @@ class Generation:
     logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per generated token
     prefilled: int = 0  # prompt tokens that went through the CP prefill (the rest were decoded)
     cache_bytes: int = 0  # KV cache bytes this rank held at the end
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # over `decode_steps` tokens through the decode path (prompt tail included)
+    decode_steps: int = 0
 
 
 def prefill_length(prompt_length: int, cp_size: int, layout: str) -> int:
@@ -130,12 +134,15 @@ class Generator:
         prefilled = prefill_length(len(prompt_ids), self.cp_size, self.layout)
         cache = self._cache(room=len(prompt_ids) - prefilled + max_new_tokens)
         generator = torch.Generator().manual_seed(sampling.seed)
+        start = time.perf_counter()
         try:
             if prefilled:
                 logits = self._prefill(ids[:prefilled])
             else:
                 cache.start_empty(self.config, self.device)
             cache.decoding = True
+            result.prefill_seconds = time.perf_counter() - start
+            start = time.perf_counter()
             for position in range(prefilled, len(prompt_ids)):  # the prompt's tail: teacher-forced decode steps
                 logits = self._decode(int(ids[position]), position, cache)
             position = len(prompt_ids)
@@ -147,6 +154,8 @@ class Generator:
                     break
                 logits = self._decode(token, position, cache)
                 position += 1
+            result.decode_seconds = time.perf_counter() - start
+            result.decode_steps = position - prefilled
             result.prefilled, result.cache_bytes = prefilled, cache.bytes_held()
         finally:
             self._release()

@@ -22,8 +22,9 @@ cached key, so there is no mask)::
        (`cp_ext.attention.utils.update_out_and_lse`, training's ring merge)
     5. all-gather the head slices over the Ulysses group          -> out for all heads
 
-Per decoded token and layer a rank receives (R-1) x b x h/U x (d+1) fp32 values from its ring
-and (U-1) x b x h/U x d from its Ulysses group (`decode_bytes_per_token_layer`).
+Per decoded token and layer a rank sends (and receives) (R-1) x b x h/U x (d+1) fp32 values in its
+ring and (U-1) x b x h/U x d in its Ulysses group (`decode_bytes_per_token_layer`; counted as
+``decode_ring_gather`` / ``decode_ulysses_gather`` by `cp_ext.perf.counter`).
 """
 
 from typing import List, Optional
@@ -38,8 +39,8 @@ from cp_ext.perf.counter import COMM_COUNTER
 
 
 def decode_bytes_per_token_layer(batch, heads, head_dim, ulysses, ring, itemsize=4):
-    """Bytes one rank receives per decoded token and layer: the ring's (out, LSE) partials of its
-    head slice from R-1 peers, then the other U-1 head slices of the output."""
+    """Bytes one rank sends (and receives) per decoded token and layer: its (out, LSE) partial of its
+    head slice to the R-1 other ring ranks, then its head slice of the output to the U-1 others."""
     local_heads = heads // ulysses
     return itemsize * batch * local_heads * ((ring - 1) * (head_dim + 1) + (ulysses - 1) * head_dim)
 

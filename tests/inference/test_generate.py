@@ -1,7 +1,8 @@
 """Generation with a CP-sharded KV cache equals CP=1 generation, which equals a full forward.
 
 One 4-rank launch builds the same small GQA MoE model (fp32, random weights from --seed) at
-CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2, and generates 6 greedy tokens
+CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model, one KV head for
+Ulysses 2: replicated in the cache, at CP1 and CP4), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
 8192 tokens. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
@@ -24,7 +25,11 @@ LAYOUTS = {
     "cp2_ring": ["--context-parallel-size", "2"],
     "cp2_ulysses": ["--context-parallel-size", "2", "--ulysses-size", "2"],
     "cp4_hybrid": ["--context-parallel-size", "4", "--ulysses-size", "2"],
+    # one KV head for 4 query heads: fewer KV heads than Ulysses ranks, replicated in the cache
+    "mqa_cp1": ["--num-query-groups", "1"],
+    "mqa_cp4_hybrid": ["--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
 }
+REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "mqa_cp4_hybrid": "mqa_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -34,20 +39,21 @@ def results():
     return launch(__file__, 4, *MODEL, timeout=900)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "cp1"])
+@pytest.mark.parametrize("layout", REFERENCE)
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp_generation_equals_cp1(results, layout, prompt):
-    ref, run = results[0]["cp1"][prompt], results[0][layout][prompt]
+    ref, run = results[0][REFERENCE[layout]][prompt], results[0][layout][prompt]
     assert run["new_ids"] == ref["new_ids"]
     assert run["max_logit_rel_diff_vs_cp1"] < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_cp1_decode_equals_full_forward(results, prompt):
-    assert results[0]["cp1"][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5
+def test_cp1_decode_equals_full_forward(results, layout, prompt):
+    assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "cp1"])
+@pytest.mark.parametrize("layout", ["cp2_ring", "cp2_ulysses", "cp4_hybrid"])
 def test_each_rank_holds_its_share_of_the_cache(results, layout):
     cp = {"cp2_ring": 2, "cp2_ulysses": 2, "cp4_hybrid": 4}[layout]
     full = results[0]["cp1"]["8192"]["cache_bytes"]
@@ -89,12 +95,12 @@ def worker():
             out = gen.generate(ids, NEW_TOKENS)
             logits = torch.stack(out.logits)
             record = {"new_ids": out.new_ids, "cache_bytes": out.cache_bytes, "prefilled": out.prefilled}
-            if layout == "cp1":
-                cp1_logits[name] = logits
+            if layout not in REFERENCE:
+                cp1_logits[layout, name] = logits
                 full = _full_forward_logits(trainer, ids + out.new_ids[:-1])[len(ids) - 1:]
                 record["max_logit_rel_diff_vs_full_forward"] = ((full - logits).abs().max() / full.abs().max()).item()
             else:
-                ref = cp1_logits[name]
+                ref = cp1_logits[REFERENCE[layout], name]
                 record["max_logit_rel_diff_vs_cp1"] = ((ref - logits).abs().max() / ref.abs().max()).item()
             results[layout][name] = record
         cp_state.destroy_context_parallel()
