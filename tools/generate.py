@@ -116,6 +116,9 @@ def main(argv=None):
             raise ConfigError("  - generation runs at --tensor-model-parallel-size 1 and --pipeline-model-parallel-size "
                               "1 (any CP, EP, DP); checkpoints reshard, so load this one at TP1 PP1")
         args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
+        if tool.temperature == 0 and (tool.top_k or tool.top_p < 1.0):
+            raise ConfigError("  - --top-k and --top-p cut the distribution a sample is drawn from; greedy decoding "
+                              "(--temperature 0, the default) draws none: add --temperature, e.g. 0.7")
         if tool.passkey_samples and args.synthetic_task != "passkey":
             raise ConfigError("  - --passkey-samples needs --synthetic-task passkey (the task the model was trained on)")
         prompts = read_prompts(tool) if not tool.passkey_samples else []

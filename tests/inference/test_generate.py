@@ -47,6 +47,11 @@ def test_cp_generation_equals_cp1(results, layout, prompt):
     assert run["max_logit_rel_diff_vs_cp1"] < 1e-5
 
 
+def test_sampling_draws_the_same_tokens_at_cp4(results):
+    assert results[0]["cp4_hybrid"]["sampled"] == results[0]["cp1"]["sampled"]
+    assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
+
+
 @pytest.mark.parametrize("layout", ["cp1", "mqa_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
@@ -80,7 +85,7 @@ def worker():
 
     from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
-    from cp_ext.inference import Generator
+    from cp_ext.inference import Generator, Sampling
     from cp_ext.training.trainer import Trainer
 
     opts = worker_args(sys.argv[1:])
@@ -103,6 +108,9 @@ def worker():
                 ref = cp1_logits[REFERENCE[layout], name]
                 record["max_logit_rel_diff_vs_cp1"] = ((ref - logits).abs().max() / ref.abs().max()).item()
             results[layout][name] = record
+        if layout in ("cp1", "cp4_hybrid"):  # sampling: the same seed draws the same tokens at any layout
+            sampled = gen.generate(prompts["1030"], NEW_TOKENS, Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=3))
+            results[layout]["sampled"] = sampled.new_ids
         cp_state.destroy_context_parallel()
         parallel_state.destroy_model_parallel()
     write_results(opts.results_dir, results)

@@ -75,10 +75,11 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--passkey-samples", "4"], "--passkey-samples needs --synthetic-task passkey"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature"),
     (["--prompt", "x", "--top-p", "0"], "--top-p"),
+    (["--prompt", "x", "--top-k", "5"], "add --temperature"),
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
-], ids=["no-prompt", "empty-prompt", "tp2", "too-long", "passkey-without-task", "temperature", "top-p", "jsonl",
+], ids=["no-prompt", "empty-prompt", "tp2", "too-long", "passkey-without-task", "temperature", "top-p", "top-k-greedy", "jsonl",
         "prompt-file", "other-model"])
 def test_bad_input_is_one_message(tmp_path, args, must_name):
     jsonl = tmp_path / "p.jsonl"
