@@ -2,7 +2,7 @@
 
 One 4-rank launch builds the same small GQA MoE model (fp32, random weights from --seed) at
 CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model, one KV head for
-Ulysses 2: replicated in the cache, at CP1 and CP4), and generates 6 greedy tokens
+Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
 8192 tokens. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
@@ -25,11 +25,13 @@ LAYOUTS = {
     "cp2_ring": ["--context-parallel-size", "2"],
     "cp2_ulysses": ["--context-parallel-size", "2", "--ulysses-size", "2"],
     "cp4_hybrid": ["--context-parallel-size", "4", "--ulysses-size", "2"],
+    "cp2_ring_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],  # experts over DP x CP
     # one KV head for 4 query heads: fewer KV heads than Ulysses ranks, replicated in the cache
     "mqa_cp1": ["--num-query-groups", "1"],
     "mqa_cp4_hybrid": ["--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
 }
-REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "mqa_cp4_hybrid": "mqa_cp1"}
+REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
+             "mqa_cp4_hybrid": "mqa_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
