@@ -51,6 +51,19 @@ def launch(script, nproc, *args, timeout=900, env=None):
     return results
 
 
+def run_script(nproc, script, *args, check=True, timeout=600):
+    """A repository script as a user runs it: under torchrun with `nproc` ranks, or plain ``python``
+    (one rank, no torchrun environment) when `nproc` is 0. Asserts exit 0 unless ``check=False``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=REPO_ROOT, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
 def run_process_group(cmd, timeout, **kwargs):
     """subprocess.run in a session of its own; on timeout the whole group is killed.
 

@@ -19,7 +19,7 @@ stage-to-stage paths of megatron's inference engine, which assumes CP = 1.
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist

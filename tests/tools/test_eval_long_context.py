@@ -7,27 +7,14 @@ PNG and the table are written. Bad input exits 2 with one message before any mod
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script as _torchrun
 
 TRAIN = ["--config", "configs/cpu_passkey.yaml", "--seq-length", "64", "--global-batch-size", "16",
          "--micro-batch-size", "8"]
 TOOL = ["--lengths", "64", "128", "--depths", "0.2", "0.8", "--samples", "16", "--position-buckets", "4"]
-
-
-def _torchrun(nproc, script, *args, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(script), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -7,29 +7,15 @@ ids are identical (fp32). The README's accuracy comes from the full configs/cpu_
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script as _run
 from tests.test_bad_inputs import _crafted_checkpoint
 
 TOOL = REPO_ROOT / "tools" / "generate.py"
 TRAIN = ["--config", "configs/cpu_passkey.yaml", "--seq-length", "64", "--global-batch-size", "16",
          "--micro-batch-size", "8"]
-
-
-def _run(nproc, script, *args, check=True):
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc
-           else [sys.executable]) + [str(script), *map(str, args)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
