@@ -13,13 +13,15 @@
    its attention against the sharded cache (`cp_ext.inference.kv_cache`), RoPE at its global
    position. Every rank computes the same logits, so every rank samples the same token.
 
-Only TP = PP = 1 here: tensor- and pipeline-parallel decoding need the sequence-parallel and
-stage-to-stage paths of megatron's inference engine, which assumes CP = 1.
+Pipeline stages pass the prompt's (then each token's) hidden states on with send/recv; the last
+stage picks the token and broadcasts it over the pipeline group. TP = 1 only: tensor-parallel
+decoding of a MoE model needs sequence parallelism over a single token (megatron's MoE layer
+requires SP under TP), which this does not do.
 """
 
 import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ class Sampling:
 class Generation:
     prompt_ids: List[int]
     new_ids: List[int] = field(default_factory=list)
-    logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per generated token
+    logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per generated token (last PP stage)
     prefilled: int = 0  # prompt tokens that went through the CP prefill (the rest were decoded)
     cache_bytes: int = 0  # KV cache bytes this rank held at the end
     prefill_seconds: float = 0.0
@@ -78,15 +80,18 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 class Generator:
     def __init__(self, trainer):
         self.args, self.device, self.config = trainer.args, trainer.device, trainer.config
-        if self.args.tensor_model_parallel_size > 1 or self.args.pipeline_model_parallel_size > 1:
-            raise ValueError("generation runs with --tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 "
-                             "(any CP, EP and DP); load the checkpoint at such a grid: checkpoints reshard")
+        if self.args.tensor_model_parallel_size > 1:
+            raise ValueError("generation runs with --tensor-model-parallel-size 1 (any CP, PP, EP and DP); load the "
+                             "checkpoint at TP1: checkpoints reshard")
         model = trainer.model[0].module
         self.model = getattr(model, "module", model)  # under Float16Module (bf16): the GPTModel inside
         self.model.eval()
         self.attention = [m for m in self.model.modules() if isinstance(m, CoreAttention)]
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
 
     def _cache(self, room: int) -> ShardedKVCache:
         cache = ShardedKVCache(self.config.num_layers, ulysses_group=cp_state.get_ulysses_group(),
@@ -98,34 +103,69 @@ class Generator:
     def _release(self):
         for layer in self.attention:
             layer.kv_cache = None
+        if not self.first_stage:  # megatron sizes RoPE by a set input tensor: leave none behind
+            self.model.decoder.set_input_tensor(None)
+
+    # Pipeline stages hand hidden states [s, b, hidden] on, one prompt or one token at a time.
+    def _from_previous_stage(self, tokens: int) -> torch.Tensor:
+        hidden = torch.empty(tokens, 1, self.config.hidden_size, dtype=self.config.pipeline_dtype, device=self.device)
+        dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+        return hidden
+
+    def _to_next_stage(self, hidden: torch.Tensor) -> None:
+        dist.send(hidden.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
 
     @torch.no_grad()
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompt prefix through the model with the training CP layout; [vocab] logits of its last token."""
+    def _prefill(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """The prompt prefix through the model with the training CP layout; [vocab] logits of its last
+        token on the last pipeline stage (None on the others)."""
         length = ids.numel()
         positions = cp_state.get_context_parallel_positions(length, self.layout, device=self.device)
-        logits = self.model(ids[positions][None], positions[None], None)  # [1, s_local, vocab]
+        if not self.first_stage:
+            self.model.set_input_tensor(self._from_previous_stage(positions.numel()))
+        out = self.model(ids[positions][None] if self.first_stage else None, positions[None], None)
+        if not self.last_stage:
+            self._to_next_stage(out)  # [s_local, 1, hidden]
+            return None
         # The rank holding the last position contributes its row; the others add zeros (exact).
-        last = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
+        last = torch.zeros(out.shape[-1], dtype=torch.float32, device=self.device)
         here = (positions == length - 1).nonzero()
         if here.numel():
-            last += logits[0, int(here[0])].float()
+            last += out[0, int(here[0])].float()
         if self.cp_size > 1:
             dist.all_reduce(last, group=parallel_state.get_context_parallel_group())
         return last
 
     @torch.no_grad()
-    def _decode(self, token: int, position: int, cache: ShardedKVCache) -> torch.Tensor:
-        """One token at global ``position`` through the model against the cache; [vocab] logits."""
+    def _decode(self, token: int, position: int, cache: ShardedKVCache) -> Optional[torch.Tensor]:
+        """One token at global ``position`` through this stage's layers against the cache; [vocab] logits
+        on the last pipeline stage (None on the others)."""
         model = self.model
-        ids = torch.tensor([[token]], device=self.device)
-        hidden = model.embedding(input_ids=ids, position_ids=torch.tensor([[position]], device=self.device))
+        if self.first_stage:
+            ids = torch.tensor([[token]], device=self.device)
+            hidden = model.embedding(input_ids=ids, position_ids=torch.tensor([[position]], device=self.device))
+        else:
+            hidden = self._from_previous_stage(1)
+            model.decoder.set_input_tensor(hidden)  # what a stage without the embedding reads
         rope = model.rotary_pos_emb.get_emb(position + 1)[position:position + 1]  # the full table's row
         hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
+        cache.finish_token()
+        if not self.last_stage:
+            self._to_next_stage(hidden)
+            return None
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(hidden, weight=weight)
-        cache.finish_token()
         return logits[0, 0].float()
+
+    def _pick(self, logits, sampling, generator) -> int:
+        """The next token: picked on the last stage, then known to every stage."""
+        token = pick_token(logits, sampling, generator) if self.last_stage else 0
+        if self.pp_size > 1:
+            sent = torch.tensor([token], device=self.device)
+            dist.broadcast(sent, parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+            token = int(sent)
+        return token
 
     def generate(self, prompt_ids: List[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                  stop_ids=()) -> Generation:
@@ -147,9 +187,10 @@ class Generator:
                 logits = self._decode(int(ids[position]), position, cache)
             position = len(prompt_ids)
             while len(result.new_ids) < max_new_tokens:
-                token = pick_token(logits, sampling, generator)
+                token = self._pick(logits, sampling, generator)
                 result.new_ids.append(token)
-                result.logits.append(logits)
+                if logits is not None:
+                    result.logits.append(logits)
                 if token in stop_ids or len(result.new_ids) == max_new_tokens:
                     break
                 logits = self._decode(token, position, cache)

@@ -55,7 +55,7 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
 @pytest.mark.parametrize("args, must_name", [
     ([], "no prompt"),
     (["--prompt", ""], "an empty prompt"),
-    (["--prompt", "x", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 1"),
+    (["--prompt", "x", "--tensor-model-parallel-size", "2"], "generation runs at --tensor-model-parallel-size 1"),
     (["--prompt", "abcdef", "--max-new-tokens", "8", "--max-position-embeddings", "10"],
      "exceeds --max-position-embeddings 10"),
     (["--passkey-samples", "4"], "--passkey-samples needs --synthetic-task passkey"),
