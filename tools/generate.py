@@ -5,7 +5,7 @@
 
 Any flag pretrain_moe.py takes sets the model and the grid (give the training run's model flags;
 the checkpoint's shape is checked against them, and a checkpoint loads at any grid). Generation
-runs at TP = 1 with any CP (ring, Ulysses, hybrid: --ulysses-size), PP, EP and DP; every rank
+runs at any TP (+SP), PP, CP (ring, Ulysses, hybrid: --ulysses-size), EP and DP; every rank
 generates the same tokens and rank 0 writes them. Prompts: ``--prompt TEXT`` (repeatable),
 ``--prompt-file FILE`` (the whole file is one prompt) or ``--prompt-jsonl FILE`` (one JSON object
 per line with a "prompt" or "text" string). Greedy by default; ``--temperature T`` samples, cut by
@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", categ
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from cp_ext.arguments import (  # noqa: E402
-    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, build_parser, number, parse_args,
+    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, number, parse_args,
     single_process_without_torchrun,
 )
 
@@ -111,10 +111,6 @@ def main(argv=None):
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         tool, rest = tool_parser().parse_known_args(argv)
-        grid, _ = build_parser().parse_known_args(rest)  # unvalidated: the grid generation supports comes first
-        if grid.tensor_model_parallel_size > 1:
-            raise ConfigError("  - generation runs at --tensor-model-parallel-size 1 (any CP, PP, EP, DP); checkpoints "
-                              "reshard, so load this one at TP1")
         args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
         if tool.temperature == 0 and (tool.top_k or tool.top_p < 1.0):
             raise ConfigError("  - --top-k and --top-p cut the distribution a sample is drawn from; greedy decoding "

@@ -14,11 +14,13 @@
    position. Every rank computes the same logits, so every rank samples the same token.
 
 Pipeline stages pass the prompt's (then each token's) hidden states on with send/recv; the last
-stage picks the token and broadcasts it over the pipeline group. TP = 1 only: tensor-parallel
-decoding of a MoE model needs sequence parallelism over a single token (megatron's MoE layer
-requires SP under TP), which this does not do.
+stage picks the token and broadcasts it over the pipeline group. Tensor parallelism: heads (and
+so the cache) split over TP as in training; the vocabulary-parallel logits are gathered. Under
+sequence parallelism (required for MoE with TP) a decode step feeds one identical copy of the
+token per TP rank, so megatron's sequence scatter/gather have something to split.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -26,7 +28,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
@@ -56,9 +58,11 @@ class Generation:
     decode_steps: int = 0
 
 
-def prefill_length(prompt_length: int, cp_size: int, layout: str) -> int:
-    """The longest prefix the CP layout splits: a multiple of 2C (zigzag) or C (contiguous)."""
+def prefill_length(prompt_length: int, cp_size: int, layout: str, sp_size: int = 1) -> int:
+    """The longest prefix the CP layout splits: a multiple of 2C (zigzag) or C (contiguous), and
+    with sequence parallelism over ``sp_size`` TP ranks each CP shard a multiple of sp_size too."""
     unit = 2 * cp_size if (layout == "zigzag" and cp_size > 1) else cp_size
+    unit = math.lcm(unit, cp_size * sp_size)
     return prompt_length // unit * unit
 
 
@@ -80,9 +84,6 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 class Generator:
     def __init__(self, trainer):
         self.args, self.device, self.config = trainer.args, trainer.device, trainer.config
-        if self.args.tensor_model_parallel_size > 1:
-            raise ValueError("generation runs with --tensor-model-parallel-size 1 (any CP, PP, EP and DP); load the "
-                             "checkpoint at TP1: checkpoints reshard")
         model = trainer.model[0].module
         self.model = getattr(model, "module", model)  # under Float16Module (bf16): the GPTModel inside
         self.model.eval()
@@ -92,6 +93,10 @@ class Generator:
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # Sequence parallelism splits every sequence over TP, a single token too: a decode step feeds
+        # one copy of the token per TP rank (identical copies, so any copy's result is the token's).
+        self.sp_size = self.tp_size if self.config.sequence_parallel else 1
 
     def _cache(self, room: int) -> ShardedKVCache:
         cache = ShardedKVCache(self.config.num_layers, ulysses_group=cp_state.get_ulysses_group(),
@@ -122,16 +127,16 @@ class Generator:
         length = ids.numel()
         positions = cp_state.get_context_parallel_positions(length, self.layout, device=self.device)
         if not self.first_stage:
-            self.model.set_input_tensor(self._from_previous_stage(positions.numel()))
+            self.model.set_input_tensor(self._from_previous_stage(positions.numel() // self.sp_size))
         out = self.model(ids[positions][None] if self.first_stage else None, positions[None], None)
         if not self.last_stage:
-            self._to_next_stage(out)  # [s_local, 1, hidden]
+            self._to_next_stage(out)  # [s_local / SP, 1, hidden]
             return None
         # The rank holding the last position contributes its row; the others add zeros (exact).
-        last = torch.zeros(out.shape[-1], dtype=torch.float32, device=self.device)
+        last = torch.zeros(self._vocab(out[0, :1]).shape[-1], dtype=torch.float32, device=self.device)
         here = (positions == length - 1).nonzero()
         if here.numel():
-            last += out[0, int(here[0])].float()
+            last += self._vocab(out[0, int(here[0])]).float()
         if self.cp_size > 1:
             dist.all_reduce(last, group=parallel_state.get_context_parallel_group())
         return last
@@ -142,8 +147,8 @@ class Generator:
         on the last pipeline stage (None on the others)."""
         model = self.model
         if self.first_stage:
-            ids = torch.tensor([[token]], device=self.device)
-            hidden = model.embedding(input_ids=ids, position_ids=torch.tensor([[position]], device=self.device))
+            ids = torch.full((1, self.sp_size), token, device=self.device)
+            hidden = model.embedding(input_ids=ids, position_ids=torch.full_like(ids, position))  # [1, 1, hidden]
         else:
             hidden = self._from_previous_stage(1)
             model.decoder.set_input_tensor(hidden)  # what a stage without the embedding reads
@@ -154,8 +159,14 @@ class Generator:
             self._to_next_stage(hidden)
             return None
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        logits, _ = model.output_layer(hidden, weight=weight)
-        return logits[0, 0].float()
+        logits, _ = model.output_layer(hidden, weight=weight)  # [SP copies, 1, vocab / TP]
+        return self._vocab(logits[0, 0]).float()
+
+    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over this TP rank's vocabulary slice -> over the whole vocabulary."""
+        if self.tp_size == 1:
+            return logits
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())
 
     def _pick(self, logits, sampling, generator) -> int:
         """The next token: picked on the last stage, then known to every stage."""
@@ -171,7 +182,7 @@ class Generator:
                  stop_ids=()) -> Generation:
         result = Generation(list(prompt_ids))
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        prefilled = prefill_length(len(prompt_ids), self.cp_size, self.layout)
+        prefilled = prefill_length(len(prompt_ids), self.cp_size, self.layout, self.sp_size)
         cache = self._cache(room=len(prompt_ids) - prefilled + max_new_tokens)
         generator = torch.Generator().manual_seed(sampling.seed)
         start = time.perf_counter()

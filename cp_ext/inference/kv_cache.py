@@ -96,7 +96,8 @@ class ShardedKVCache:
 
     def start_empty(self, config, device, batch: int = 1) -> None:
         """Empty caches, for a prompt too short for any CP prefill (every token is decoded)."""
-        heads, kv_heads = config.num_attention_heads, config.num_query_groups
+        tp = config.tensor_model_parallel_size  # this rank's heads
+        heads, kv_heads = config.num_attention_heads // tp, config.num_query_groups // tp
         kv_here = kv_heads * kv_replicas(heads, kv_heads, self.ulysses_size) // self.ulysses_size
         empty = torch.empty(batch, kv_here, 0, config.kv_channels, dtype=config.params_dtype, device=device)
         room = -(-self.room // self.ring_size)
@@ -111,8 +112,11 @@ class ShardedKVCache:
         return x[:, :, self.ulysses_rank * n:(self.ulysses_rank + 1) * n].permute(1, 2, 0, 3)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d]) over the whole
-        sequence so far; returns [1, b, h, d], the same on every rank of the CP group."""
+        """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d]; under sequence
+        parallelism [TP, ...] identical copies) over the whole sequence so far; returns q's shape,
+        the same on every rank of the CP group."""
+        copies = q.shape[0]  # > 1 only under sequence parallelism: identical copies of the one token
+        q, k, v = q[:1], k[:1], v[:1]
         cache = self.layers[layer]
         rep = kv_replicas(q.shape[2], k.shape[2], self.ulysses_size)
         if self.decoded % self.ring_size == self.ring_rank:
@@ -122,7 +126,7 @@ class ShardedKVCache:
         kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q.shape[-1])
         out, lse = kernel.forward(q_mine, keys, values, causal=False, scale=softmax_scale)
         out = self._merge_over_ring(out.to(accum_dtype(q.dtype)), lse.to(accum_dtype(q.dtype)))
-        return self._gather_heads(out.to(q.dtype))
+        return self._gather_heads(out.to(q.dtype)).expand(copies, -1, -1, -1)
 
     def finish_token(self) -> None:
         """Called once per decoded token, after every layer: the next one goes to the next ring rank."""

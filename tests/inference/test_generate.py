@@ -2,7 +2,7 @@
 
 One 4-rank launch builds the same small GQA MoE model (fp32, random weights from --seed) at
 CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model, one KV head for
-Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2; PP2 x CP2), and generates 6 greedy tokens
+Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2; PP2 x CP2; TP2+SP x CP2; TP2+SP x PP2), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
 8192 tokens. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
@@ -27,12 +27,14 @@ LAYOUTS = {
     "cp4_hybrid": ["--context-parallel-size", "4", "--ulysses-size", "2"],
     "cp2_ring_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],  # experts over DP x CP
     "pp2_cp2": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],  # one layer per stage
+    "tp2sp_cp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+    "tp2sp_pp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"],
     # one KV head for 4 query heads: fewer KV heads than Ulysses ranks, replicated in the cache
     "mqa_cp1": ["--num-query-groups", "1"],
     "mqa_cp4_hybrid": ["--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
-             "pp2_cp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1"}
+             "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 

@@ -55,7 +55,6 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
 @pytest.mark.parametrize("args, must_name", [
     ([], "no prompt"),
     (["--prompt", ""], "an empty prompt"),
-    (["--prompt", "x", "--tensor-model-parallel-size", "2"], "generation runs at --tensor-model-parallel-size 1"),
     (["--prompt", "abcdef", "--max-new-tokens", "8", "--max-position-embeddings", "10"],
      "exceeds --max-position-embeddings 10"),
     (["--passkey-samples", "4"], "--passkey-samples needs --synthetic-task passkey"),
@@ -65,7 +64,7 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
-], ids=["no-prompt", "empty-prompt", "tp2", "too-long", "passkey-without-task", "temperature", "top-p", "top-k-greedy", "jsonl",
+], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "temperature", "top-p", "top-k-greedy", "jsonl",
         "prompt-file", "other-model"])
 def test_bad_input_is_one_message(tmp_path, args, must_name):
     jsonl = tmp_path / "p.jsonl"
