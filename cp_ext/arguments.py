@@ -532,15 +532,15 @@ def _recompute_problems(args):
     return p
 
 
-# Router flags off their default, for the dense-model check; (dest, default).
-_ROUTER_FLAGS = [("moe_z_loss_coeff", None), ("moe_router_pre_softmax", False), ("moe_router_score_function", "softmax"),
-                 ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None),
-                 ("moe_router_group_topk", None), ("moe_router_enable_expert_bias", False),
-                 ("moe_router_dtype", None), ("moe_expert_capacity_factor", None)]
+# The router flags, refused on a dense model when set off their defaults (the parser's).
+_ROUTER_DESTS = ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
+                 "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_enable_expert_bias", "moe_router_dtype", "moe_expert_capacity_factor")
 
 
 def _router_flags_given(args):
-    return ["--" + dest.replace("_", "-") for dest, default in _ROUTER_FLAGS if getattr(args, dest) != default]
+    parser = build_parser()
+    return ["--" + dest.replace("_", "-") for dest in _ROUTER_DESTS if getattr(args, dest) != parser.get_default(dest)]
 
 
 def _router_problems(args):
@@ -780,14 +780,19 @@ def single_process_without_torchrun():
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def exit_with_config_error(prog, error):
+    """Print a ConfigError once (rank 0) and exit with status 2 on every rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: configuration error:\n{error}", file=sys.stderr, flush=True)
+    else:
+        # torchrun ends every rank once one exits; give rank 0 time to print first.
+        time.sleep(5)
+    sys.exit(2)
+
+
 def parse_args_or_exit(argv=None):
     """`parse_args`, but a ConfigError prints once (rank 0) and exits with status 2 on every rank."""
     try:
         return parse_args(argv)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_moe.py: configuration error:\n{e}", file=sys.stderr, flush=True)
-        else:
-            # torchrun ends every rank once one exits; give rank 0 time to print first.
-            time.sleep(5)
-        sys.exit(2)
+        exit_with_config_error("pretrain_moe.py", e)

@@ -200,7 +200,7 @@ def main(argv=None):
     warnings.simplefilter("ignore")
     argv = sys.argv[1:] if argv is None else argv
     tool, rest = _tool_args(argv)
-    from cp_ext.arguments import ConfigError, parse_args
+    from cp_ext.arguments import ConfigError, exit_with_config_error, parse_args
 
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
@@ -209,9 +209,7 @@ def main(argv=None):
         if problems:
             raise ConfigError("\n".join(f"  - {p}" for p in problems))
     except ConfigError as e:
-        if rank0:
-            print(f"eval_long_context.py: configuration error:\n{e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_config_error("eval_long_context.py", e)
 
     from megatron.core import parallel_state
 

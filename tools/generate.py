@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", categ
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from cp_ext.arguments import (  # noqa: E402
-    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, number, parse_args,
+    NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, exit_with_config_error, number, parse_args,
     single_process_without_torchrun,
 )
 
@@ -84,18 +84,17 @@ def read_prompts(tool):
     return prompts
 
 
-def passkey_prompts(tool, args):
-    """Held-out passkey samples (the test split's seed) cut after their query token; the key follows."""
+def passkey_prompts(count, args):
+    """`count` held-out passkey samples (the test split's seed): (prompts cut after their query token,
+    the keys that follow)."""
     from cp_ext.data.passkey import PasskeyDataset
 
-    data = PasskeyDataset(args.seq_length, tool.passkey_samples, args.data_seed + 2)
-    tool.max_new_tokens = data.key_length
+    data = PasskeyDataset(args.seq_length, count, args.data_seed + 2)
     samples = [data[i]["tokens"].tolist() + [int(data[i]["labels"][-1])] for i in range(len(data))]
-    tool.passkey_answers = [s[-data.key_length:] for s in samples]
-    return [s[:-data.key_length] for s in samples]
+    return [s[:-data.key_length] for s in samples], [s[-data.key_length:] for s in samples]
 
 
-def length_problems(tool, args, lengths):
+def length_problems(tool, lengths):
     """A prompt the model cannot take: refused past --max-position-embeddings, warned past --seq-length."""
     longest = max(lengths) + tool.max_new_tokens
     if tool.max_position_embeddings and longest > tool.max_position_embeddings:
@@ -121,14 +120,16 @@ def main(argv=None):
         from cp_ext.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        encoded = [tokenizer.tokenize(p).tolist() for p in prompts] if prompts else passkey_prompts(tool, args)
-        problems = length_problems(tool, args, [len(ids) for ids in encoded])
+        if tool.passkey_samples:
+            encoded, answers = passkey_prompts(tool.passkey_samples, args)
+            tool.max_new_tokens = len(answers[0])  # the key's digits
+        else:
+            encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
+        problems = length_problems(tool, [len(ids) for ids in encoded])
         if problems:
             raise ConfigError("\n".join(f"  - {p}" for p in problems))
     except ConfigError as e:
-        if rank0:
-            print(f"generate.py: configuration error:\n{e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_config_error("generate.py", e)
 
     from cp_ext.inference import Generator, Sampling
     from cp_ext.training.trainer import Trainer
@@ -149,11 +150,12 @@ def main(argv=None):
     records = []
     if tool.passkey_samples:
         right = 0
-        for ids, answer in zip(encoded, tool.passkey_answers):
+        for ids, answer in zip(encoded, answers):
             out = generator.generate(ids, tool.max_new_tokens, sampling)
             right += out.new_ids == answer
             records.append({"prompt_tokens": len(ids), "ids": out.new_ids, "key": answer})
         say(f"passkey: {right} of {len(encoded)} keys generated right ({len(encoded[0])}-token prompts, "
+            f"TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
             f"CP {args.context_parallel_size}, Ulysses {args.ulysses_size})")
         prompts = []
     for text, ids in zip(prompts, encoded):

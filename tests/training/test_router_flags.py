@@ -69,6 +69,17 @@ def test_flags_change_training(runs, router):
     assert moved > (0 if router == "router_fp64" else 1e-4), f"{router}: the numbers equal the baseline's"
 
 
+def test_drop_policy_changes_which_tokens_drop(runs):
+    probs, position = runs["capacity/dp2"]["metrics"], runs["capacity_position/dp2"]["metrics"]
+    assert max(_rel(a, b) for a, b in zip(probs["lm loss"], position["lm loss"])) > 1e-4
+
+
+def test_expert_bias_moves_by_the_update_rate(runs):
+    """megatron steps each bias by +-rate per iteration: after 3 iterations, multiples of 0.1 up to 0.3."""
+    steps = [b / 0.1 for b in runs["sigmoid_expert_bias/dp2"]["bias_values"]]
+    assert max(abs(x) for x in steps) > 0.5 and all(abs(x - round(x)) < 1e-4 and abs(x) <= 3 + 1e-4 for x in steps)
+
+
 def test_moe_losses_are_reported(runs):
     assert "z loss" in runs["z_loss/dp2"]["metrics"] and "z loss" not in runs["baseline/dp2"]["metrics"]
     assert "seq load balancing loss" in runs["seq_aux_loss/dp2"]["metrics"]
@@ -120,7 +131,8 @@ def worker():
         runs = {layout: _run(list(opts.extra) + router_flags + layout_flags) for layout, layout_flags in LAYOUTS.items()}
         for layout, (metrics, _, buffers) in runs.items():
             results[f"{router}/{layout}"] = {"metrics": metrics,
-                                             "bias_moved": any(b.abs().max().item() > 0 for b in buffers.values())}
+                                             "bias_moved": any(b.abs().max().item() > 0 for b in buffers.values()),
+                                             "bias_values": [x for b in buffers.values() for x in b.flatten().tolist()]}
         results[f"{router}/grad_rel_err"], results[f"{router}/grad_worst"] = _max_rel(runs["cp2"][1], runs["dp2"][1])
         results[f"{router}/buffer_rel_err"] = _max_rel(runs["cp2"][2], runs["dp2"][2])[0]
     write_results(opts.results_dir, results)
