@@ -296,6 +296,15 @@ def _add_data_args(parser):
                         "for the embedded corpus, next to the data otherwise)")
     g.add_argument("--synthetic-task", choices=["passkey"], default=None,
                    help="train on a synthetic task instead: passkey = recall a key seen early (long range)")
+    # Megatron-LM's packed-document flags: a sample of --seq-length tokens spans several documents, each
+    # ended by the tokenizer's EOD token (the token after an EOD starts the next document).
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids (and RoPE) restart at 0 after every EOD token, as in Megatron-LM")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="a token attends only to its own document (the tokens since the last EOD), as in Megatron-LM")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is an EOD (its target is the next document's first token), "
+                        "as in Megatron-LM")
 
 
 ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_recompute_args, _add_logging_args,
@@ -661,6 +670,14 @@ def _eval_problems(args):
     return p
 
 
+_DOCUMENT_FLAGS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+def document_flags_given(args):
+    """Megatron-LM's packed-document flags this run sets; each acts on the EOD tokens of the samples."""
+    return [flag for flag in _DOCUMENT_FLAGS if getattr(args, flag[2:].replace("-", "_"), False)]
+
+
 def _data_problems(args):
     """Data flags; the files they name are opened (cheaply) only when given."""
     if getattr(args, "split", None) is None:  # an args namespace built without the data group
@@ -671,6 +688,11 @@ def _data_problems(args):
     if args.synthetic_task and args.data_path:
         return [f"--synthetic-task {args.synthetic_task} and --data-path are exclusive; give one"]
     if args.synthetic_task:
+        flags = document_flags_given(args)
+        if flags:
+            return [f"{' '.join(flags)}: packed documents need EOD tokens, but --synthetic-task "
+                    f"{args.synthetic_task} samples are one sequence each and hold no EOD token; drop "
+                    f"{'them' if len(flags) > 1 else 'it'}, or train on --data-path (or the embedded corpus)"]
         return []
     try:
         split_weights(args.split)  # read whenever data comes from --data-path or the embedded corpus

@@ -13,6 +13,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from tests.launch import REPO_ROOT
@@ -27,6 +28,18 @@ def _crafted_checkpoint(root, iteration):
     it.mkdir(exist_ok=True)
     (it / "metadata.json").write_text("{}")
     (it / "meta.json").write_text(json.dumps({"iteration": iteration, "format": "torch_dist"}))
+    return root
+
+
+def _tokenizer_without_eod(root):
+    """A HuggingFace tokenizer.json whose vocabulary names no EOD token, and a corpus preprocessed with it."""
+    from tokenizers import Tokenizer, models
+
+    from cp_ext.data.indexed import write_indexed_dataset
+
+    root.mkdir(parents=True, exist_ok=True)
+    Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>")).save(str(root / "tokenizer.json"))
+    write_indexed_dataset(str(root / "corpus_text_document"), [np.array([1, 2, 1]), np.array([2, 2])], 3)
     return root
 
 
@@ -70,6 +83,14 @@ CASES = {
     "split-text": (["--split", "abc"], None, ["--split abc", "e.g. 969,30,1"]),
     "split-inf": (["--split", "inf,1,1"], None, ["--split inf,1,1"]),
     "data-path-inf-weight": (["--data-path", "inf", "P1", "1", "P2"], None, ["--data-path inf P1 1 P2", "finite"]),
+    # packed documents (Megatron's --reset-position-ids, --reset-attention-mask, --eod-mask-loss) need EOD tokens
+    "document-flags-with-passkey": (["--synthetic-task", "passkey", "--reset-position-ids", "--reset-attention-mask"],
+                                    None, ["--reset-position-ids --reset-attention-mask", "--synthetic-task passkey",
+                                           "no EOD token", "drop them"]),
+    "document-flag-tokenizer-without-eod": (
+        ["--eod-mask-loss", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+         "{no_eod}/tokenizer.json", "--data-path", "{no_eod}/corpus_text_document"], None,
+        ["--eod-mask-loss", "--tokenizer-type HuggingFaceTokenizer --tokenizer-model", "has none", "drop the flag"]),
     # router: megatron's rules said before anything is built
     "top1-without-pre-softmax": (["--num-experts", "4", "--moe-router-topk", "1"], None, ["--moe-router-pre-softmax"]),
     "expert-bias-with-softmax": (["--num-experts", "4", "--moe-router-enable-expert-bias"], None,
@@ -105,6 +126,8 @@ def outcomes(tmp_path_factory):
         argv, yaml_text, _ = CASES[case]
         tmp = tmp_path_factory.mktemp(case)
         argv = [a.replace("{ckpt}", str(_crafted_checkpoint(tmp / "ckpt", 5))) for a in argv]
+        if any("{no_eod}" in a for a in argv):
+            argv = [a.replace("{no_eod}", str(_tokenizer_without_eod(tmp / "no_eod"))) for a in argv]
         return case, _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), *argv], tmp, yaml_text)
 
     with ThreadPoolExecutor(2) as pool:

@@ -9,8 +9,14 @@
                                       as an indexed dataset, through the same GPTDataset path
 
 A dataset here is ``len(ds)``, ``ds[i]`` -> {tokens, labels, loss_mask, position_ids}
-(GPTDataset's dict, each [seq_length]) and ``ds.vocab_size``. Which sample a rank reads,
-and which tokens of it, is `cp_ext.training.batches`' job.
+(GPTDataset's dict, each [seq_length]), ``ds.vocab_size`` and ``ds.eod`` (the EOD token id, None
+for the passkey task). Which sample a rank reads, and which tokens of it, is
+`cp_ext.training.batches`' job.
+
+Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) go to
+GPTDatasetConfig as Megatron-LM passes them: GPTDataset restarts the position ids after each
+EOD and zeroes the loss mask on EODs. The [s, s] attention mask it could build is never built
+(impossible at 128K tokens); `cp_ext.data.documents` gives the document ids instead.
 """
 
 import math
@@ -22,8 +28,9 @@ from cp_ext.data.tokenizers import build_tokenizer
 class TrainDataset:
     """The train split plus the vocab size the model needs; `samples` is None on ranks that read no data."""
 
-    def __init__(self, samples, vocab_size: int, num_samples: int, seq_length: int):
+    def __init__(self, samples, vocab_size: int, num_samples: int, seq_length: int, eod: int = None):
         self.samples, self.vocab_size, self._len, self.seq_length = samples, vocab_size, num_samples, seq_length
+        self.eod = eod
 
     def __len__(self):
         return self._len
@@ -61,11 +68,12 @@ def data_file_problems(args) -> list:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except ValueError as e:
         return [str(e)]
+    problems = _document_problems(args, tokenizer)
     if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
-        return [f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocab {tokenizer.vocab_size} "
-                f"(--tokenizer-type {args.tokenizer_type}); drop --vocab-size or use >= {tokenizer.vocab_size}"]
+        return problems + [f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocab "
+                           f"{tokenizer.vocab_size} (--tokenizer-type {args.tokenizer_type}); drop --vocab-size or "
+                           f"use >= {tokenizer.vocab_size}"]
     vocab = args.vocab_size or tokenizer.vocab_size
-    problems = []
     for flag in ("data_path", "valid_data_path", "test_data_path"):
         paths = getattr(args, flag, None)
         if not paths:
@@ -79,6 +87,22 @@ def data_file_problems(args) -> list:
         problems.extend(msg for prefix in prefixes
                         for msg in indexed_dataset_problems(prefix, vocab, "--" + flag.replace("_", "-"), vocab_from))
     return problems
+
+
+def _document_problems(args, tokenizer) -> list:
+    """The packed-document flags need a tokenizer with an EOD token: without one (a HuggingFace
+    vocabulary naming none gets an id past the vocabulary), no sample holds an EOD and the flags
+    would silently do nothing."""
+    from cp_ext.arguments import document_flags_given
+
+    flags = document_flags_given(args)
+    if not flags or tokenizer.eod in tokenizer.inv_vocab:
+        return []
+    model = f" --tokenizer-model {args.tokenizer_model}" if args.tokenizer_model else ""
+    return [f"{' '.join(flags)}: packed documents need an EOD token, but --tokenizer-type "
+            f"{args.tokenizer_type}{model} has none (no <|endoftext|>, </s>, <eos> ... in its vocabulary); use a "
+            f"tokenizer whose vocabulary has one (--tokenizer-model) and preprocess with it, or drop "
+            f"{'the flags' if len(flags) > 1 else 'the flag'}"]
 
 
 SPLITS = ("train", "valid", "test")
@@ -114,7 +138,7 @@ def build_split_dataset(args, split, num_samples) -> TrainDataset:
         from cp_ext.data.passkey import PasskeyDataset
 
         data = PasskeyDataset(args.seq_length, num_samples, args.data_seed + SPLITS.index(split))
-        return TrainDataset(data, data.vocab_size, num_samples, args.seq_length)
+        return TrainDataset(data, data.vocab_size, num_samples, args.seq_length)  # no EOD: one sequence each
     return _build_gpt_dataset(args, split, num_samples)
 
 
@@ -133,8 +157,18 @@ def _documents_in_split(config, index, dataset_class):
     return min(counts)
 
 
-def _build_gpt_dataset(args, split, num_samples):
+def reads_data(args) -> bool:
+    """Whether this rank builds the dataset. Megatron's rule: only the stages that embed tokens or take
+    the loss; with packed documents every stage, for the per-document position ids (RoPE) and the
+    document ids (attention) that each stage's layers need."""
     from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or args.reset_position_ids or args.reset_attention_mask:
+        return True
+    return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+
+
+def _build_gpt_dataset(args, split, num_samples):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -161,17 +195,11 @@ def _build_gpt_dataset(args, split, num_samples):
         split=split_weights,
         path_to_cache=cache,  # None: Megatron's default, next to the data
         tokenizer=tokenizer,
-        # Megatron-LM's defaults: one position per token of the sample, loss on every token.
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,  # cp_ext's attention is causal by construction
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,  # no [s, s] mask: causal by construction, documents by their ids
     )
-
-    def reads_data():  # Megatron's rule: only the stages that embed tokens or take the loss
-        if not parallel_state.model_parallel_is_initialized():
-            return True
-        return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
 
     # Only the asked split is built: its documents are the ones --split assigns it, and the
     # others are not (an empty split would loop forever in GPTDataset).
@@ -182,8 +210,9 @@ def _build_gpt_dataset(args, split, num_samples):
                          f"{' '.join(args.data_path or ['the embedded corpus'])}); give it a larger share or "
                          f"--{split}-data-path")
     sizes = [num_samples if i == index else 0 for i in range(3)]
-    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, reads_data, config).build()[index]
-    dataset = TrainDataset(built, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length)
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: reads_data(args), config).build()[index]
+    dataset = TrainDataset(built, args.vocab_size or tokenizer.vocab_size, num_samples, args.seq_length,
+                           eod=tokenizer.eod)
     if isinstance(built, GPTDataset):  # one prefix: how many distinct samples the split holds
         dataset.distinct_samples = (built._get_num_tokens_per_epoch() - 1) // args.seq_length
     return dataset

@@ -9,7 +9,8 @@ The spec is megatron's local (non-TE) GPT layer spec with three seats re-filled:
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
       mlp                -> megatron MoELayer (TopKRouter + SequentialMLP experts)
     final_layernorm      -> cp_ext SequenceParallelNorm
-    rotary_pos_emb       -> cp_ext ContextParallelRotaryEmbedding (RoPE at global positions)
+    rotary_pos_emb       -> cp_ext ContextParallelRotaryEmbedding (RoPE at global positions;
+                            at the batch's per-document positions with --reset-position-ids)
 
 Weights are initialized *layout-invariantly*: each parameter's full (unsharded)
 tensor is drawn from a generator seeded by (seed, the parameter's global checkpoint
@@ -31,7 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cp_ext.models.layout import iter_global_slices
-from cp_ext.models.rope import ContextParallelRotaryEmbedding
+from cp_ext.models.rope import ContextParallelRotaryEmbedding, use_batch_position_ids
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -75,6 +76,8 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=args.rotary_base,
         rotary_interleaved=config.rotary_interleaved, layout=config.cp_layout,
     )
+    if args.reset_position_ids:  # packed documents: RoPE at the batch's per-document positions
+        use_batch_position_ids(model)
     init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)
     return model
 

@@ -22,5 +22,7 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    # Document ids (--reset-attention-mask) go where megatron passes its attention mask: cp_ext's core
+    # attention reads an integer [b, s/CP] mask as document ids; None is plain causal attention.
+    output = model(batch.tokens, batch.position_ids, batch.document_ids, labels=batch.labels)
     return output, partial(loss_func, batch.loss_mask)

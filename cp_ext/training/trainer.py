@@ -160,6 +160,7 @@ class Trainer:
             micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             device=self.device, positions=self.cp_positions,
             first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         )
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
