@@ -7,8 +7,13 @@
     hybrid_attention(q, k, v, *, causal, softmax_scale=None, ulysses_group=None,
                      ring_group=None, layout="zigzag")
         Ulysses inside, ring outside, for any C = U x R                (hybrid.py)
-    context_parallel_attention(q, k, v, *, causal, softmax_scale=None, layout="zigzag", kernel=None)
+    all_gather_attention(q, k, v, *, causal, softmax_scale=None, group=None, layout="zigzag", positions=None)
+        K/V all-gathered over the group, local queries against all of it (all_gather.py)
+    context_parallel_attention(q, k, v, *, causal, softmax_scale=None, layout="zigzag", kernel=None, comm_type=None)
         the one the model calls: picks the variant from cp_ext.parallel_state
+
+Every variant takes ``document_ids=None``: packed documents, an integer ``[b, s_local]``
+tensor laid out like q; a token attends only within its document (documents.py).
 
 Building blocks: ``ring_attn_forward`` / ``ring_attn_backward`` on ``[b, h, s, d]``,
 ``RingComm`` and ``update_out_and_lse`` (utils.py), the differentiable ``all_to_all``,
@@ -17,6 +22,7 @@ and the local kernels behind ``get_kernel`` (kernels.py; ``kernel=`` names one, 
 which tokens) is `cp_ext.data.sharding.context_parallel_positions`.
 """
 
+from cp_ext.attention.all_gather import all_gather_attention
 from cp_ext.attention.hybrid import context_parallel_attention, hybrid_attention
 from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.ring import RingAttnFunc, ring_attention, ring_attn_backward, ring_attn_forward, step_plan
@@ -25,6 +31,7 @@ from cp_ext.attention.utils import RingComm, update_out_and_lse
 
 __all__ = [
     "AttnKernel",
+    "all_gather_attention",
     "RingAttnFunc",
     "RingComm",
     "all_to_all",

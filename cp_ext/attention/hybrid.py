@@ -26,8 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cp_ext.attention.all_gather import AllGatherPlan, all_gather_attention, all_gather_attn_backward, all_gather_attn_forward
+from cp_ext.attention.documents import check_document_ids, diagonal_segments, document_runs, gather_document_ids
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.attention.ring import RingAttnFunc, ring_attn_backward, ring_attn_forward, ring_attention
+from cp_ext.attention.ring import RingAttnFunc, RingSchedule, ring_attn_backward, ring_attn_forward, ring_attention
 from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads, ulysses_attention, ulysses_exchange
 from cp_ext.data.sharding import LAYOUTS
 
@@ -43,6 +45,7 @@ def hybrid_attention(
     ring_group: Optional[dist.ProcessGroup] = None,
     layout: str = "zigzag",
     kernel: Optional[str] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded over Ulysses x ring groups.
 
@@ -55,6 +58,9 @@ def hybrid_attention(
             `get_ring_group()`. Ring rank r and Ulysses rank u are ranks within them.
         layout: ring sharding, ``"zigzag"`` (default) or ``"contiguous"``.
         kernel: local kernel name (see `cp_ext.attention.kernels.KERNELS`); None picks one.
+        document_ids: packed documents, integer ``[b, s]`` laid out like q
+            (`cp_ext.attention.documents`): gathered over the Ulysses group (the ring shard's
+            ids), then planned over the ring.
 
     Returns the local output shard ``[s, b, h, d]`` in q's dtype; differentiable in q, k, v.
     """
@@ -66,11 +72,16 @@ def hybrid_attention(
         ulysses_group = parallel_state.get_ulysses_group() if ulysses_group is None else ulysses_group
         ring_group = parallel_state.get_ring_group() if ring_group is None else ring_group
     if dist.get_world_size(ring_group) == 1:
-        return ulysses_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=ulysses_group, kernel=kernel)
+        return ulysses_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=ulysses_group, kernel=kernel,
+                                 document_ids=document_ids)
     if dist.get_world_size(ulysses_group) == 1:
-        return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=ring_group, layout=layout, kernel=kernel)
+        return ring_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, group=ring_group, layout=layout,
+                              kernel=kernel, document_ids=document_ids)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    attn = lambda q_, k_, v_: RingAttnFunc.apply(q_, k_, v_, scale, causal, ring_group, layout, kernel)
+    if document_ids is not None:
+        check_document_ids(document_ids, q.shape[1], q.shape[0], q.device)
+        document_ids = gather_document_ids(document_ids, ulysses_group)
+    attn = lambda q_, k_, v_: RingAttnFunc.apply(q_, k_, v_, scale, causal, ring_group, layout, kernel, document_ids)
     return ulysses_exchange(q, k, v, group=ulysses_group, attn=attn)
 
 
@@ -83,16 +94,34 @@ def context_parallel_attention(
     softmax_scale: Optional[float] = None,
     layout: str = "zigzag",
     kernel: Optional[str] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    comm_type: Optional[str] = None,
 ) -> torch.Tensor:
-    """The model's CP attention: ring (U = 1), Ulysses (R = 1) or the hybrid, on the groups
-    of `cp_ext.parallel_state` (local ``[s, b, h, d]`` shards, per `get_context_parallel_positions`).
-    ``kernel``: the local kernel name (None or "auto": picked per call by dtype and head dim)."""
+    """The model's CP attention on the groups of `cp_ext.parallel_state` (local ``[s, b, h, d]``
+    shards, per `get_context_parallel_positions`): ring (U = 1), Ulysses (R = 1) or the hybrid;
+    with ``comm_type="all_gather"``, K/V all-gathered over the whole CP group instead
+    (`cp_ext.attention.all_gather`), on the same layout. ``kernel``: the local kernel name (None
+    or "auto": picked per call by dtype and head dim); ``document_ids``: packed documents."""
     from cp_ext import parallel_state
 
+    if comm_type == "all_gather":
+        return all_gather_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+                                    document_ids=document_ids, **_all_gather_layout(q, layout))
     return hybrid_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, kernel=kernel,
+        q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, kernel=kernel, document_ids=document_ids,
         ulysses_group=parallel_state.get_ulysses_group(), ring_group=parallel_state.get_ring_group(),
     )
+
+
+def _all_gather_layout(q, layout):
+    """The CP group and this rank's global positions under the run's (Ulysses x ring) layout."""
+    from megatron.core import parallel_state as mpu
+
+    from cp_ext import parallel_state
+
+    group = mpu.get_context_parallel_group()
+    seq_len = q.shape[0] * dist.get_world_size(group)
+    return dict(group=group, positions=parallel_state.get_context_parallel_positions(seq_len, layout, device=q.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,42 +142,87 @@ def _from_heads(x: torch.Tensor, group) -> torch.Tensor:
     return heads_to_seq(x.permute(2, 0, 1, 3), group)
 
 
-def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None):
-    """`hybrid_attention`'s forward on [s, b, h, d] shards, returning ``(out, lse)``.
+class _Plan:
+    """What the recompute's forward and backward share: the kernel, and the document plan
+    (segments of the local call, the ring schedule, or the all-gather tiles) made once."""
+
+    def __init__(self, q, k, *, causal, ulysses_group, ring_group, layout, kernel, document_ids, comm_type):
+        self.kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
+        self.all_gather = self.segments = self.schedule = None
+        self.rep = kv_replicas(q.shape[2], k.shape[2], dist.get_world_size(ulysses_group))
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[1], q.shape[0], q.device)
+        if comm_type == "all_gather":
+            self.rep = 1
+            self.all_gather = dict(_all_gather_layout(q, layout))
+            self.all_gather["plan"] = AllGatherPlan(self.all_gather.pop("positions"), self.all_gather["group"],
+                                                    causal, document_ids)
+            return
+        if document_ids is not None:
+            ids = gather_document_ids(document_ids, ulysses_group)
+            if dist.get_world_size(ring_group) == 1:
+                self.segments = diagonal_segments(document_runs(ids))
+            else:
+                self.schedule = RingSchedule(dist.get_rank(ring_group), dist.get_world_size(ring_group), ids.shape[1],
+                                             causal, layout, ring_group, ids)
+
+
+def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None,
+                         document_ids=None, comm_type=None):
+    """`context_parallel_attention`'s forward on [s, b, h, d] shards, returning ``(out, lse, plan)``.
 
     ``out`` is the local output shard [s, b, h, d]; ``lse`` the fp32 log-sum-exp of this
-    rank's heads over the whole sequence, [b, h/U, U*s] (what the backward needs besides q, k, v).
+    rank's heads over the whole sequence, [b, h/U, U*s] ([b, h, s] for all_gather); ``plan``
+    what the backward reuses. Together with q, k, v that is all `cp_attention_backward` needs.
     """
     with torch.no_grad():
-        kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
-        rep = kv_replicas(q.shape[2], k.shape[2], dist.get_world_size(ulysses_group))
-        qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)
+        plan = _Plan(q, k, causal=causal, ulysses_group=ulysses_group, ring_group=ring_group, layout=layout,
+                     kernel=kernel, document_ids=document_ids, comm_type=comm_type)
+        if plan.all_gather is not None:
+            to_kernel = lambda x: x.permute(1, 2, 0, 3)
+            out, lse = all_gather_attn_forward(to_kernel(q), to_kernel(k), to_kernel(v), softmax_scale=softmax_scale,
+                                               causal=causal, kernel=plan.kernel, **plan.all_gather)
+            return out.permute(2, 0, 1, 3), lse, plan
+        qh, kh, vh = (_to_heads(q, ulysses_group), _to_heads(k, ulysses_group, plan.rep),
+                      _to_heads(v, ulysses_group, plan.rep))
         if dist.get_world_size(ring_group) == 1:
-            out, lse = kernel.forward(qh, kh, vh, causal=causal, scale=softmax_scale)
+            if plan.segments is not None:
+                out, lse = plan.kernel.forward_segments(qh, kh, vh, plan.segments, causal=causal, scale=softmax_scale)
+            else:
+                out, lse = plan.kernel.forward(qh, kh, vh, causal=causal, scale=softmax_scale)
         else:
             out, lse = ring_attn_forward(qh, kh, vh, softmax_scale=softmax_scale, causal=causal, group=ring_group,
-                                         layout=layout, kernel=kernel)
-        return _from_heads(out, ulysses_group), lse
+                                         layout=layout, kernel=plan.kernel, schedule=plan.schedule)
+        return _from_heads(out, ulysses_group), lse, plan
 
 
-def cp_attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, ulysses_group, ring_group,
-                          layout="zigzag", kernel=None):
-    """dq, dk, dv of `cp_attention_forward` from its (out, lse); all tensors [s, b, h, d] shards.
+def cp_attention_backward(dout, q, k, v, out, lse, plan, *, causal, softmax_scale, ulysses_group, ring_group,
+                          layout="zigzag", **_):
+    """dq, dk, dv of `cp_attention_forward` from its (out, lse, plan); all tensors [s, b, h, d] shards.
 
     With U > 1 the head layout of q, k, v, out and dout is rebuilt here by all-to-all (the forward's
     exchange, run once more); the ring moves K/V and dK/dV exactly as `ring_attn_backward` does.
     """
     with torch.no_grad():
-        kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
-        hk = k.shape[2]
-        rep = kv_replicas(q.shape[2], hk, dist.get_world_size(ulysses_group))
+        kernel = plan.kernel
+        if plan.all_gather is not None:
+            to_kernel = lambda x: x.permute(1, 2, 0, 3)
+            grads = all_gather_attn_backward(to_kernel(dout), to_kernel(q), to_kernel(k), to_kernel(v),
+                                             to_kernel(out), lse, softmax_scale=softmax_scale, causal=causal,
+                                             kernel=kernel, **plan.all_gather)
+            return tuple(g.permute(2, 0, 1, 3) for g in grads)
+        hk, rep = k.shape[2], plan.rep
         qh, kh, vh = _to_heads(q, ulysses_group), _to_heads(k, ulysses_group, rep), _to_heads(v, ulysses_group, rep)
         outh, douth = _to_heads(out, ulysses_group), _to_heads(dout, ulysses_group)
         if dist.get_world_size(ring_group) == 1:
-            dq, dk, dv = kernel.backward(douth, qh, kh, vh, outh, lse, causal=causal, scale=softmax_scale)
+            if plan.segments is not None:
+                dq, dk, dv = kernel.backward_segments(douth, qh, kh, vh, outh, lse, plan.segments, causal=causal,
+                                                      scale=softmax_scale)
+            else:
+                dq, dk, dv = kernel.backward(douth, qh, kh, vh, outh, lse, causal=causal, scale=softmax_scale)
         else:
             dq, dk, dv = ring_attn_backward(douth, qh, kh, vh, outh, lse, softmax_scale=softmax_scale, causal=causal,
-                                            group=ring_group, layout=layout, kernel=kernel)
+                                            group=ring_group, layout=layout, kernel=kernel, schedule=plan.schedule)
         dq, dk, dv = (_from_heads(g.to(t.dtype), ulysses_group) for g, t in ((dq, q), (dk, k), (dv, v)))
         if rep > 1:  # the replicas' gradients sum back onto their KV head
             dk, dv = (g.unflatten(2, (hk, rep)).sum(3) for g in (dk, dv))

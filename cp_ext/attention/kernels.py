@@ -98,6 +98,40 @@ class AttnKernel:
             dv = dv.unflatten(1, (hk, g)).sum(2, dtype=dk.dtype)
         return dq, dk, dv
 
+    def forward_segments(self, q, k, v, segments, *, causal: bool, scale: float):
+        """Attention of packed documents: each `cp_ext.attention.documents.Segment` is one call.
+
+        Returns (out [b, h, s_q, d] in q's dtype, lse [b, h, s_q] fp32/fp64); rows no segment
+        covers (their document is not in k, or padding) get out 0 and lse -inf, which the LSE
+        merge treats as "no keys here". ``causal`` segments are squares (diagonal tiles).
+        Kernels with a native variable-length call may override this and `backward_segments`.
+        """
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=_accum(q.dtype), device=q.device)
+        for g in segments:
+            o, l = self.forward(q[g.b : g.b + 1, :, g.q0 : g.q1], k[g.b : g.b + 1, :, g.k0 : g.k1],
+                                v[g.b : g.b + 1, :, g.k0 : g.k1], causal=causal, scale=scale)
+            out[g.b, :, g.q0 : g.q1] = o[0]
+            lse[g.b, :, g.q0 : g.q1] = l[0]
+        return out, lse
+
+    def backward_segments(self, dout, q, k, v, out, lse, segments, *, causal: bool, scale: float):
+        """dq, dk, dv (fp32, fp64 for fp64) of `forward_segments` from the *global* out/lse; zero
+        where no segment reaches."""
+        acc = _accum(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for g in segments:
+            qs, ks = (g.b, slice(None), slice(g.q0, g.q1)), (g.b, slice(None), slice(g.k0, g.k1))
+            one = lambda x, rows: x[rows].unsqueeze(0)
+            dq_s, dk_s, dv_s = self.backward(one(dout, qs), one(q, qs), one(k, ks), one(v, ks), one(out, qs),
+                                             one(lse, qs), causal=causal, scale=scale)
+            dq[qs] += dq_s[0]
+            dk[ks] += dk_s[0]
+            dv[ks] += dv_s[0]
+        return dq, dk, dv
+
     def _expand_kv(self, q, k, v):
         if self.native_gqa or k.shape[1] == q.shape[1]:
             return k, v
@@ -112,6 +146,10 @@ class AttnKernel:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def _accum(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check(q, k, v, causal):

@@ -38,6 +38,13 @@ backward with the *global* out and LSE saved by the forward. All accumulators ar
 fp32 tensors (never ``x.to(float32)`` of a kernel output, which aliases under fp32); the
 cast to the input dtype happens once, at the end.
 
+Packed documents (``document_ids``, `cp_ext.attention.documents`): the ids of every ring
+rank are all-gathered once per call, so every rank knows every tile's segments. A step whose
+q rows share no document with the arriving KV block computes nothing (the block still passes
+on), tiles that do compute only their segments, and once no rank has work left the ring
+stops: the remaining hops are not sent, and in the backward each dK/dV accumulator goes home
+in one direct hop instead of the rest of the ring.
+
 ``ring_attn_forward`` / ``ring_attn_backward`` work on kernel-layout tensors
 ``[b, h, s, d]`` and any process group, so the Ulysses x ring hybrid calls them on the
 ring sub-group after its all-to-all. ``ring_attention`` is the public [s, b, h, d] API.
@@ -49,9 +56,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cp_ext.attention.documents import all_document_runs, check_document_ids, clip_runs, segment_pairs, tile_segments
 from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.utils import RingComm, accum_dtype, update_out_and_lse
 from cp_ext.data.sharding import LAYOUTS, check_seq_len
+from cp_ext.perf.counter import WORK_COUNTER
 
 ALL, FIRST, SECOND = "all", "first", "second"
 
@@ -84,6 +93,52 @@ def _rows(part: str, s: int) -> slice:
     return {ALL: slice(None), FIRST: slice(0, s // 2), SECOND: slice(s // 2, None)}[part]
 
 
+class RingSchedule:
+    """What this rank computes at each ring step, and how many steps the ring runs.
+
+    Without documents: `step_plan` at every one of the C steps, dense tiles (``segments`` None).
+    With ``document_ids`` (this rank's [b, s] ids): the segments of every (rank, step) tile
+    are known on every rank (one all-gather of the ids), so this rank skips its empty tiles and
+    every rank agrees on ``num_steps``: one past the last step at which any rank has work.
+    """
+
+    def __init__(self, rank, size, s, causal, layout, group=None, document_ids=None):
+        self.steps, self.num_steps = [], size
+        if document_ids is None:
+            for step in range(size):
+                plan = step_plan(rank, size, step, causal, layout)
+                self.steps.append(None if plan is None else (plan, None))
+            return
+        runs = all_document_runs(document_ids, group)
+        last = 0
+        for r in range(size):
+            for step in range(size):
+                plan = step_plan(r, size, step, causal, layout)
+                segments = None
+                if plan is not None:
+                    q_runs = clip_runs(runs[r], _rows(plan.q_part, s), s)
+                    segments = tile_segments(q_runs, clip_runs(runs[plan.src], _rows(plan.kv_part, s), s))
+                if segments:
+                    last = max(last, step)
+                if r == rank:
+                    self.steps.append((plan, segments) if segments else None)
+        self.num_steps = last + 1
+        del self.steps[self.num_steps:]
+
+    def tile(self, step):
+        """(Step, segments or None for a dense tile), or None when this rank computes nothing."""
+        return self.steps[step]
+
+
+def _count(plan, segments, s):
+    if WORK_COUNTER.enabled:  # opt-in (tools/bench_attention.py): tiles and query-key pairs computed
+        rows = len(range(*_rows(plan.q_part, s).indices(s)))
+        cols = len(range(*_rows(plan.kv_part, s).indices(s)))
+        dense = rows * (rows + 1) // 2 if plan.causal else rows * cols
+        WORK_COUNTER.add("tiles", 1)
+        WORK_COUNTER.add("pairs", dense if segments is None else segment_pairs(segments, plan.causal))
+
+
 def _check_local(q, k, v, size, layout):
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -111,9 +166,12 @@ def ring_attn_forward(
     group: Optional[dist.ProcessGroup],
     layout: str = "zigzag",
     kernel: Optional[AttnKernel] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    schedule: Optional[RingSchedule] = None,
 ):
     """Forward over the ring on local shards q [b, h, s, d], k/v [b, hk, s, d].
 
+    ``document_ids`` [b, s]: this rank's document ids (packed documents), or None.
     Returns (out [b, h, s, d] in q.dtype, lse [b, h, s] in fp32 / fp64 for fp64 inputs).
     """
     comm = RingComm(group)
@@ -121,20 +179,29 @@ def ring_attn_forward(
     kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
     acc = accum_dtype(q.dtype)
     s = q.shape[2]
+    if schedule is None:
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[0], s, q.device)
+        schedule = RingSchedule(comm.rank, comm.world_size, s, causal, layout, group, document_ids)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # one message per step; KV keeps its own (GQA) head count
-    for step in range(comm.world_size):
-        if step + 1 < comm.world_size:
+    steps = schedule.num_steps
+    for step in range(steps):
+        if step + 1 < steps:
             next_kv = comm.send_recv(kv)  # in flight while we compute on `kv`
-        plan = step_plan(comm.rank, comm.world_size, step, causal, layout)
-        if plan is not None:
+        tile = schedule.tile(step)
+        if tile is not None:
+            plan, segments = tile
             qs, ks = _rows(plan.q_part, s), _rows(plan.kv_part, s)
-            block_out, block_lse = kernel.forward(
-                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal=plan.causal, scale=softmax_scale
-            )
+            _count(plan, segments, s)
+            args = (q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks])
+            if segments is None:
+                block_out, block_lse = kernel.forward(*args, causal=plan.causal, scale=softmax_scale)
+            else:
+                block_out, block_lse = kernel.forward_segments(*args, segments, causal=plan.causal, scale=softmax_scale)
             update_out_and_lse(out, lse, block_out, block_lse, qs)
-        if step + 1 < comm.world_size:
+        if step + 1 < steps:
             comm.wait()
             kv = next_kv
     return out.to(q.dtype), lse
@@ -153,8 +220,11 @@ def ring_attn_backward(
     group: Optional[dist.ProcessGroup],
     layout: str = "zigzag",
     kernel: Optional[AttnKernel] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    schedule: Optional[RingSchedule] = None,
 ):
-    """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned.
+    """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned
+    (``document_ids`` / ``schedule`` as there).
 
     Returns (dq, dk, dv) in the dtypes and shapes of (q, k, v).
     """
@@ -163,19 +233,24 @@ def ring_attn_backward(
     kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
     acc = accum_dtype(q.dtype)
     s = q.shape[2]
+    if schedule is None:
+        schedule = RingSchedule(rank, size, s, causal, layout, group, document_ids)
+    steps = schedule.num_steps
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
     dkv = next_dkv = None
-    for step in range(size):
-        if step + 1 < size:
+    for step in range(steps):
+        if step + 1 < steps:
             next_kv = kv_comm.send_recv(kv)
-        plan = step_plan(rank, size, step, causal, layout)
-        if plan is not None:
+        tile = schedule.tile(step)
+        if tile is not None:
+            plan, segments = tile
             qs, ks = _rows(plan.q_part, s), _rows(plan.kv_part, s)
-            dq_s, dk_s, dv_s = kernel.backward(
-                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
-                causal=plan.causal, scale=softmax_scale,
-            )
+            args = (dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs])
+            if segments is None:
+                dq_s, dk_s, dv_s = kernel.backward(*args, causal=plan.causal, scale=softmax_scale)
+            else:
+                dq_s, dk_s, dv_s = kernel.backward_segments(*args, segments, causal=plan.causal, scale=softmax_scale)
             dq[:, :, qs].add_(dq_s)
         # dK/dV accumulator of block `src`: started here at step 0, received from rank-1 after.
         if step == 0:
@@ -183,38 +258,50 @@ def ring_attn_backward(
         else:
             dkv_comm.wait()
             dkv = next_dkv
-        if plan is not None:
+        if tile is not None:
             dkv[0][:, :, ks].add_(dk_s)
             dkv[1][:, :, ks].add_(dv_s)
-        if size > 1:
-            next_dkv = dkv_comm.send_recv(dkv)  # the last send brings each block home
-        if step + 1 < size:
+        if step + 1 < steps:
+            next_dkv = dkv_comm.send_recv(dkv)  # to the rank that holds this block next step
             kv_comm.wait()
             kv = next_kv
-    if size > 1:
-        dkv_comm.wait()
-        dkv = next_dkv
+    # Each accumulator goes home: after all C steps that is one more hop along the ring; a ring
+    # that a document mask ended after `steps` steps sends it to its owner directly.
+    if (1 - steps) % size:
+        home = RingComm(group, shift=1 - steps)
+        dkv = home.send_recv(dkv)
+        home.wait()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class RingAttnFunc(torch.autograd.Function):
-    """Thin autograd wrapper: kernel-layout [b, h, s, d] tensors, any ring group."""
+    """Thin autograd wrapper: kernel-layout [b, h, s, d] tensors, any ring group.
+
+    With ``document_ids`` the schedule (every tile's segments) is planned once in the forward
+    and reused by the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, kernel_name):
+    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, kernel_name, document_ids=None):
         kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
+        comm = RingComm(group)
+        _check_local(q, k, v, comm.world_size, layout)
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[0], q.shape[2], q.device)
+        schedule = RingSchedule(comm.rank, comm.world_size, q.shape[2], causal, layout, group, document_ids)
         out, lse = ring_attn_forward(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel
+            q, k, v, softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel,
+            schedule=schedule,
         )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = dict(softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel)
+        ctx.args = dict(softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel,
+                        schedule=schedule)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -227,6 +314,7 @@ def ring_attention(
     group: Optional[dist.ProcessGroup] = None,
     layout: str = "zigzag",
     kernel: Optional[str] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across a process group.
 
@@ -239,6 +327,9 @@ def ring_attention(
         layout: ``"zigzag"`` (shards from `cp_ext.data.zigzag_shard`, the default) or
             ``"contiguous"`` (rank r holds the r-th slice).
         kernel: local kernel name (see `cp_ext.attention.kernels.KERNELS`); None picks one.
+        document_ids: packed documents, integer ``[b, s]`` laid out like q (see
+            `cp_ext.attention.documents`): a token attends only within its document. None:
+            one document per sample.
 
     Returns the local output shard ``[s, b, h, d]`` in q's dtype; differentiable in q, k, v.
     """
@@ -250,5 +341,6 @@ def ring_attention(
         raise ValueError(f"ring_attention takes [s, b, h, d] tensors, got q of shape {tuple(q.shape)}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     to_kernel = lambda x: x.permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d] (a view)
-    out = RingAttnFunc.apply(to_kernel(q), to_kernel(k), to_kernel(v), scale, causal, group, layout, kernel)
+    out = RingAttnFunc.apply(to_kernel(q), to_kernel(k), to_kernel(v), scale, causal, group, layout, kernel,
+                             document_ids)
     return out.permute(2, 0, 1, 3)

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from cp_ext.attention.documents import check_document_ids, diagonal_segments, document_runs, gather_document_ids
 from cp_ext.attention.kernels import get_kernel
 from cp_ext.perf.counter import COMM_COUNTER
 
@@ -114,12 +115,21 @@ def ulysses_exchange(q, k, v, *, group: Optional[dist.ProcessGroup], attn: Calla
 
 
 class LocalAttnFunc(torch.autograd.Function):
-    """One local kernel call (`cp_ext.attention.kernels`) on kernel-layout ``[b, h, s, d]`` tensors."""
+    """One local kernel call (`cp_ext.attention.kernels`) on kernel-layout ``[b, h, s, d]`` tensors.
+
+    ``document_ids`` [b, s] (packed documents): one square segment per document
+    (`cp_ext.attention.documents.diagonal_segments`), q and k being the same tokens."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, kernel_name):
+    def forward(ctx, q, k, v, softmax_scale, causal, kernel_name, document_ids=None):
         kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=softmax_scale)
+        ctx.segments = None
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[0], q.shape[2], q.device)
+            ctx.segments = diagonal_segments(document_runs(document_ids))
+            out, lse = kernel.forward_segments(q, k, v, ctx.segments, causal=causal, scale=softmax_scale)
+        else:
+            out, lse = kernel.forward(q, k, v, causal=causal, scale=softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = dict(causal=causal, scale=softmax_scale)
         ctx.kernel = kernel
@@ -128,9 +138,12 @@ class LocalAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, **ctx.args)
+        if ctx.segments is not None:
+            dq, dk, dv = ctx.kernel.backward_segments(dout, q, k, v, out, lse, ctx.segments, **ctx.args)
+        else:
+            dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, **ctx.args)
         # dk/dv may come back in fp32 (GQA sums); cast to the input dtypes.
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ulysses_attention(
@@ -142,6 +155,7 @@ def ulysses_attention(
     softmax_scale: Optional[float] = None,
     group: Optional[dist.ProcessGroup] = None,
     kernel: Optional[str] = None,
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across a Ulysses group, by head all-to-all.
 
@@ -153,6 +167,8 @@ def ulysses_attention(
         softmax_scale: defaults to ``1 / sqrt(d)``.
         group: the Ulysses group; None means `cp_ext.parallel_state.get_ulysses_group()`.
         kernel: local kernel name (see `cp_ext.attention.kernels.KERNELS`); None picks one.
+        document_ids: packed documents, integer ``[b, s]`` laid out like q
+            (`cp_ext.attention.documents`); all-gathered over the group with the heads' exchange.
 
     Returns the local output piece ``[s, b, h, d]`` in q's dtype; differentiable in q, k, v.
     """
@@ -161,5 +177,8 @@ def ulysses_attention(
 
         group = parallel_state.get_ulysses_group()
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    attn = lambda q_, k_, v_: LocalAttnFunc.apply(q_, k_, v_, scale, causal, kernel)
+    if document_ids is not None:
+        check_document_ids(document_ids, q.shape[1], q.shape[0], q.device)
+        document_ids = gather_document_ids(document_ids, group)
+    attn = lambda q_, k_, v_: LocalAttnFunc.apply(q_, k_, v_, scale, causal, kernel, document_ids)
     return ulysses_exchange(q, k, v, group=group, attn=attn)

@@ -31,13 +31,15 @@ class RingComm:
     default); prev/next are the *global* ranks of the neighbours inside it.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
+    def __init__(self, group: Optional[dist.ProcessGroup], shift: int = 1):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
-        self.send_rank = ranks[(self.rank + 1) % self.world_size]
-        self.recv_rank = ranks[(self.rank - 1) % self.world_size]
+        # ``shift`` other than 1: send to rank + shift, receive from rank - shift (the ring's
+        # last dK/dV hop when a document mask ends the ring early).
+        self.send_rank = ranks[(self.rank + shift) % self.world_size]
+        self.recv_rank = ranks[(self.rank - shift) % self.world_size]
         self._batched = dist.get_backend(group) != "gloo"
         self._reqs = []
 
@@ -85,9 +87,12 @@ def update_out_and_lse(
     Rows outside ``seq_slice`` keep (out_A, lse_A): B contributed nothing to them, which is
     exactly the merge with lse_B = -inf. The sigmoid/softplus form never exponentiates a
     large number (and lse_B = -inf gives weight 0). ``block_out`` may be bf16/fp16; it is upcast before use.
+    A row with no keys in A nor B (lse -inf in both, possible under a document mask with
+    padding) would get weight NaN: it gets 0, so the row stays out 0, lse -inf.
     """
     o = out[:, :, seq_slice]
     l = lse[:, :, seq_slice]
     b_lse = block_lse.to(lse.dtype)
-    o.add_(torch.sigmoid(b_lse - l).unsqueeze(-1) * (block_out.to(out.dtype) - o))
+    weight = torch.sigmoid(b_lse - l).nan_to_num_(0.0)
+    o.add_(weight.unsqueeze(-1) * (block_out.to(out.dtype) - o))
     l.copy_(torch.logaddexp(l, b_lse))

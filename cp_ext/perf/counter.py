@@ -31,6 +31,21 @@ class CommCounter:
 
 COMM_COUNTER = CommCounter()
 
+# The same counter for attention work: the ring reports ``"tiles"`` (steps that computed
+# something) and ``"pairs"`` (query-key pairs computed; a causal square counts its triangle).
+WORK_COUNTER = CommCounter()
+
+
+@contextmanager
+def count_work():
+    """Count (from zero) the attention tiles and query-key pairs computed while the block runs."""
+    WORK_COUNTER.reset()
+    WORK_COUNTER.enabled = True
+    try:
+        yield WORK_COUNTER
+    finally:
+        WORK_COUNTER.enabled = False
+
 
 @contextmanager
 def count_comm():

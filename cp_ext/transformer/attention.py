@@ -12,6 +12,15 @@ attention stops being local: q, k, v hold this rank's tokens (see
 algorithm of `cp_ext.attention` picked by the CP sub-group sizes exchanges them, so the
 result equals attention over the whole sequence.
 
+Packed documents (``--reset-attention-mask``): where megatron passes a boolean
+``[b, 1, s, s]`` mask, cp_ext passes the *document ids* ``[b, s_local]`` (an integer tensor,
+O(s) instead of O(s^2); `cp_ext.attention.documents`): a token attends only within its
+document, on every CP path and at CP = 1. A ``None`` mask is the plain causal (or full) mask.
+
+``--cp-comm-type`` may name one type per layer (Megatron's list form); a layer whose type is
+``all_gather`` all-gathers K/V over the CP group (`cp_ext.attention.all_gather`) on the same
+sequence layout as the others.
+
 Under ``--recompute-granularity full`` with CP-aware recompute (the default there), the
 attention of a checkpointed layer is computed once: `cp_ext.transformer.recompute` keeps its
 output and LSE for the recompute instead of re-running the ring.
@@ -58,6 +67,9 @@ class CoreAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
+        # This layer's --cp-comm-type when the flag lists one per layer (None: the run's groups decide).
+        comm_types = getattr(config, "cp_comm_types", None)
+        self.cp_comm_type = comm_types[self.layer_number - 1] if comm_types else None
         # cp_ext kernel name, or "auto" (picked per call by dtype and head dim).
         self.kernel = getattr(config, "attention_kernel", "auto")
         # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).
@@ -83,7 +95,10 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
+        document_ids = _document_ids(attention_mask, batch, seq, query.device)
         if self.kv_cache is not None:
+            if document_ids is not None:
+                raise NotImplementedError("generation attends over one document; call the model without document ids")
             layer = self.layer_number - 1
             if self.kv_cache.decoding:  # one new token against the CP-sharded cache
                 scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
@@ -96,7 +111,7 @@ class CoreAttention(MegatronModule):
                 query, key, value, causal=causal, layout=self.cp_layout,
                 softmax_scale=head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale),
                 ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
-                kernel=self.kernel,
+                kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
             )
             if out is not None:
                 return out.reshape(seq, batch, heads * head_dim)
@@ -107,19 +122,22 @@ class CoreAttention(MegatronModule):
                 raise NotImplementedError("attention dropout is not supported with context parallelism")
             out = context_parallel_attention(
                 query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout,
-                kernel=self.kernel,
+                kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
             )
             return out.reshape(seq, batch, heads * head_dim)
         # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        if self.kernel not in ("auto", "unfused"):  # an explicitly chosen kernel, which has no dropout
+        # An explicitly chosen kernel, or packed documents (one kernel call per document): no dropout.
+        if self.kernel not in ("auto", "unfused") or document_ids is not None:
             from cp_ext.attention.ulysses import LocalAttnFunc
 
             if dropout_p:
-                raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel")
+                raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel"
+                                          + (" with document masks" if document_ids is not None else ""))
             scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
-            out = LocalAttnFunc.apply(q, k, v, scale, causal, self.kernel)
+            out = LocalAttnFunc.apply(q, k, v, scale, causal, None if self.kernel == "auto" else self.kernel,
+                                      document_ids)
             return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
         # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
         math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
@@ -130,3 +148,17 @@ class CoreAttention(MegatronModule):
                 enable_gqa=k.shape[1] != q.shape[1],
             )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+
+
+def _document_ids(attention_mask, batch, seq, device):
+    """The document ids [b, s_local] that cp_ext passes in megatron's attention_mask seat, or None."""
+    if attention_mask is None:
+        return None
+    from cp_ext.attention.documents import check_document_ids
+
+    if attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point:
+        raise NotImplementedError(
+            f"cp_ext attention takes document ids (an integer [b, s_local] tensor, from --reset-attention-mask) "
+            f"where megatron passes a mask, not a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}")
+    check_document_ids(attention_mask, batch, seq, device, name="attention_mask (document ids)")
+    return attention_mask

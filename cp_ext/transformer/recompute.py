@@ -9,11 +9,14 @@ backward needs only q, k, v (cheap to recompute: projections and RoPE), the outp
 log-sum-exp, so the first forward keeps (out, LSE), s/C x b x h x d + s/C x b x h floats per
 rank, and the recompute replays them (LoongTrain's "selective checkpoint++")::
 
-    first forward  (is_checkpointing, no grad)   out, lse = cp_attention_forward(q, k, v)
-                                                 kept.append((out, lse))      -> out
-    recompute      (is_checkpointing, grad on)   out, lse = kept.popleft()
+    first forward  (is_checkpointing, no grad)   out, lse, plan = cp_attention_forward(q, k, v)
+                                                 kept.append((out, lse, plan))      -> out
+    recompute      (is_checkpointing, grad on)   out, lse, plan = kept.popleft()
                                                  ReplayAttention(q, k, v; out, lse) -> out
-    backward       (ReplayAttention.backward)    cp_attention_backward(dout, q, k, v, out, lse)
+    backward       (ReplayAttention.backward)    cp_attention_backward(dout, q, k, v, out, lse, plan)
+
+(``plan``: the kernel and, for packed documents, the segments / ring schedule / all-gather
+tiles, made once in the first forward.)
 
 Nothing travels the ring in the recompute; the backward is the ring/Ulysses/hybrid backward
 unchanged, so the ring bytes of an iteration equal those without recompute. Layers outside a
@@ -36,16 +39,16 @@ class ReplayAttention(torch.autograd.Function):
     """Returns the kept output of the first forward; its backward is the CP attention backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, lse, attn_kwargs):
+    def forward(ctx, q, k, v, out, lse, plan, attn_kwargs):
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.attn_kwargs = attn_kwargs
+        ctx.plan, ctx.attn_kwargs = plan, attn_kwargs
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = cp_attention_backward(dout, q, k, v, out, lse, **ctx.attn_kwargs)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, **ctx.attn_kwargs)
+        return dq, dk, dv, None, None, None, None
 
 
 class KeptAttention:
@@ -66,22 +69,22 @@ class KeptAttention:
         if not is_checkpointing():
             return None  # not a checkpointed layer: the caller's normal (autograd) path
         if not torch.is_grad_enabled():  # the first forward of a checkpointed layer
-            out, lse = cp_attention_forward(q, k, v, **attn_kwargs)
-            self._kept.append((out, lse))
+            out, lse, plan = cp_attention_forward(q, k, v, **attn_kwargs)
+            self._kept.append((out, lse, plan))
             KeptAttention.live_bytes += out.nbytes + lse.nbytes
             return out
         if not self._kept:
             raise RuntimeError("CP-aware recompute: a layer is recomputed whose first forward kept no attention "
                                "output (recompute out of order); run with --no-cp-aware-recompute and report this")
-        out, lse = self._kept.popleft()
+        out, lse, plan = self._kept.popleft()
         KeptAttention.live_bytes -= out.nbytes + lse.nbytes
         self.replayed += 1
         if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
             raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
                                f"recomputed query {tuple(q.shape)}")
-        return ReplayAttention.apply(q, k, v, out, lse, attn_kwargs)
+        return ReplayAttention.apply(q, k, v, out, lse, plan, attn_kwargs)
 
     def clear(self):
         while self._kept:
-            out, lse = self._kept.popleft()
+            out, lse, _ = self._kept.popleft()
             KeptAttention.live_bytes -= out.nbytes + lse.nbytes

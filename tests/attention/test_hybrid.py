@@ -122,9 +122,9 @@ def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
 
     kwargs = dict(causal=case["causal"], softmax_scale=q.shape[-1] ** -0.5, ulysses_group=ulysses_group,
                   ring_group=ring_group, layout=case["layout"])
-    out, lse = cp_attention_forward(q, k, v, **kwargs)
+    out, lse, plan = cp_attention_forward(q, k, v, **kwargs)
     assert not out.requires_grad and lse.shape == (q.shape[1], q.shape[2] // case["U"], q.shape[0] * case["U"])
-    return ReplayAttention.apply(q, k, v, out, lse, kwargs)
+    return ReplayAttention.apply(q, k, v, out, lse, plan, kwargs)
 
 
 def _errors(ulysses_group, ring_group):
