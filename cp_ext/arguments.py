@@ -92,9 +92,11 @@ def _add_parallel_args(parser):
                         "1 (default) is a pure ring, U = C pure Ulysses")
     g.add_argument("--cp-load-balance", choices=["zigzag", "none"], default="zigzag",
                    help="causal load balance of the ring's sequence shards")
-    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "a2a+p2p"], default=None,
-                   help="Megatron-LM spelling: p2p = ring, a2a = Ulysses, a2a+p2p = hybrid "
-                        "(sizes from --hierarchical-context-parallel-sizes)")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, nargs="+", default=None,
+                   help="Megatron-LM spelling: p2p = ring, a2a = Ulysses, a2a+p2p = hybrid (sizes from "
+                        "--hierarchical-context-parallel-sizes), all_gather = K/V all-gathered over the CP group. "
+                        "One type for every layer, or one per layer (--num-layers of them); the layers share one "
+                        "sequence layout, so a list may mix all_gather with one other type only")
     g.add_argument("--hierarchical-context-parallel-sizes", type=POSITIVE, nargs="+", default=None,
                    help="with --cp-comm-type a2a+p2p: [a2a size, p2p size], i.e. [U, C/U]")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -311,6 +313,9 @@ ALL_GROUPS = (_add_parallel_args, _add_model_args, _add_training_args, _add_reco
               _add_checkpoint_args, _add_data_args)
 
 
+CP_COMM_TYPES = ["p2p", "a2a", "a2a+p2p", "all_gather"]  # Megatron-LM / TransformerEngine spelling
+
+
 def build_parser():
     parser = ArgumentParser(
         prog="pretrain_moe.py",
@@ -408,6 +413,7 @@ def _fill_derived(args):
     args.data_seed = args.seed if args.data_seed is None else args.data_seed
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = args.world_size // model_parallel if model_parallel and args.world_size % model_parallel == 0 else None
+    args.cp_comm_base, args.cp_comm_types = _resolve_cp_comm_types(args)
     args.ulysses_size = _resolve_ulysses_size(args)
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as in Megatron-LM: SP needs TP to split over
@@ -420,14 +426,46 @@ def _fill_derived(args):
         args.log_dir = os.path.join("runs", args.wandb_exp_name or time.strftime("run-%Y%m%d-%H%M%S"))
 
 
+def _resolve_cp_comm_types(args):
+    """--cp-comm-type (one type, or one per layer) -> (the type that sets the groups, per-layer list).
+
+    The per-layer list is None unless some layer is ``all_gather`` (the only type that changes
+    what a layer does on the run's groups). All other layers must share one type: they share
+    the sequence layout it implies. Problems are left for `validate_args` (returns base None).
+    """
+    given = args.cp_comm_type
+    if not given:
+        return None, None
+    per_layer = given * args.num_layers if len(given) == 1 else list(given)
+    base = sorted({t for t in per_layer if t != "all_gather"})
+    if len(per_layer) != args.num_layers or len(base) > 1:
+        return "invalid", None
+    return (base[0] if base else "p2p"), (per_layer if "all_gather" in per_layer else None)
+
+
+def _cp_comm_type_problems(args):
+    given = args.cp_comm_type or []
+    if args.cp_comm_base != "invalid":
+        return []
+    if len(given) not in (1, args.num_layers):
+        return [f"--cp-comm-type lists {len(given)} types; give one (for every layer) or one per layer "
+                f"(--num-layers {args.num_layers})"]
+    others = sorted({t for t in given if t != "all_gather"})
+    return [f"--cp-comm-type mixes {' and '.join(others)}: the layers share one sequence layout, so a per-layer "
+            f"list may combine all_gather with one other type only (e.g. {others[0]} and all_gather)"]
+
+
 def _resolve_ulysses_size(args):
     """Megatron's --cp-comm-type spelling mapped onto cp_ext's one knob, the Ulysses size U.
 
     Inconsistent combinations are left for `validate_args` to report (returns None).
     """
     cp, given = args.context_parallel_size, args.ulysses_size
-    implied = {None: given or 1, "p2p": 1, "a2a": cp}.get(args.cp_comm_type)
-    if args.cp_comm_type == "a2a+p2p":
+    base = args.cp_comm_base
+    if base == "invalid":
+        return given or 1
+    implied = {None: given or 1, "p2p": 1, "a2a": cp}.get(base)
+    if base == "a2a+p2p":
         sizes = args.hierarchical_context_parallel_sizes
         implied = sizes[0] if sizes and len(sizes) == 2 and sizes[0] * sizes[1] == cp else None
     if implied is None or (given is not None and given != implied):
@@ -439,17 +477,17 @@ def _context_parallel_problems(args):
     p = []
     cp, tp, u = args.context_parallel_size, args.tensor_model_parallel_size, args.ulysses_size
     if u is None:
-        if args.cp_comm_type == "a2a+p2p":
+        if args.cp_comm_base == "a2a+p2p":
             p.append(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R with U x R = "
                      f"--context-parallel-size {cp} (got {args.hierarchical_context_parallel_sizes})")
         else:
-            p.append(f"--ulysses-size {args.ulysses_size} contradicts --cp-comm-type {args.cp_comm_type} "
+            p.append(f"--ulysses-size {args.ulysses_size} contradicts --cp-comm-type {args.cp_comm_base} "
                      f"(p2p means U=1, a2a means U=C={cp}); give one of them")
         return p
     if u < 1 or cp % u:
         p.append(f"--ulysses-size {u} must divide --context-parallel-size {cp}")
         return p
-    if args.hierarchical_context_parallel_sizes and args.cp_comm_type != "a2a+p2p":
+    if args.hierarchical_context_parallel_sizes and args.cp_comm_base != "a2a+p2p":
         p.append("--hierarchical-context-parallel-sizes is only read with --cp-comm-type a2a+p2p")
     # KV heads need no rule: Ulysses replicates them as needed (cp_ext.attention.ulysses.kv_replicas).
     heads = args.num_attention_heads // max(tp, 1)
@@ -770,6 +808,7 @@ def validate_args(args):
         p.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
     p.extend(_device_problems(args))
     p.extend(_attention_problems(args))
+    p.extend(_cp_comm_type_problems(args))
     p.extend(_context_parallel_problems(args))
     p.extend(_recompute_problems(args))
     p.extend(_data_problems(args))

@@ -1,6 +1,7 @@
 """cp_ext's options on megatron-core's `TransformerConfig`, and the map from parsed arguments."""
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,11 @@ class ContextParallelTransformerConfig(TransformerConfig):
     """Under ``recompute_granularity == "full"``: keep each layer's attention output and LSE
     from the first forward so megatron's recompute does not re-run the ring, the all-to-all
     or the attention kernel (`cp_ext.transformer.recompute`)."""
+
+    cp_comm_types: Optional[List[str]] = None
+    """``--cp-comm-type`` per layer when some layer is ``all_gather`` (K/V all-gathered over the
+    CP group, `cp_ext.attention.all_gather`), else None: every layer uses the groups above.
+    Not megatron's ``cp_comm_type``, which only TransformerEngine's attention reads."""
 
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
@@ -75,6 +81,7 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
         attention_kernel=args.attention_kernel,
+        cp_comm_types=args.cp_comm_types,
         # activation recompute: megatron's own checkpointed forward does the work
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -42,10 +42,16 @@ def _error(argv, world_size):
         (["--save-interval", "5"], 1, ["--save-interval 5 needs --save"]),
         (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "7"], 2,
          ["--make-vocab-size-divisible-by 7", "--tensor-model-parallel-size 2"]),
+        (["--context-parallel-size", "2", "--num-layers", "4", "--cp-comm-type", "p2p", "all_gather"], 2,
+         ["--cp-comm-type lists 2 types", "--num-layers 4"]),
+        (["--context-parallel-size", "2", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], 2,
+         ["--cp-comm-type mixes a2a and p2p", "all_gather with one other type"]),
+        (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2, ["--cp-comm-type", "all_gather"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
-         "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp"],
+         "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp",
+         "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)
@@ -61,6 +67,18 @@ def test_cp_comm_type_maps_onto_ulysses_size():
                               "--hierarchical-context-parallel-sizes", "2", "2"], world_size=4)
     assert args.ulysses_size == 2
     assert parse_args(base + ["--context-parallel-size", "4", "--ulysses-size", "2"], world_size=4).ulysses_size == 2
+
+
+def test_cp_comm_type_per_layer_lists():
+    """Megatron's per-layer form: all_gather layers on the layout of the run's one other type."""
+    base = ["--seq-length", "64", "--num-layers", "4", "--context-parallel-size", "4"]
+    args = parse_args(base + ["--cp-comm-type", "all_gather"], world_size=4)
+    assert args.ulysses_size == 1 and args.cp_comm_types == ["all_gather"] * 4
+    args = parse_args(base + ["--cp-comm-type", "a2a+p2p", "all_gather", "a2a+p2p", "all_gather",
+                              "--hierarchical-context-parallel-sizes", "2", "2"], world_size=4)
+    assert args.ulysses_size == 2 and args.cp_comm_types == ["a2a+p2p", "all_gather", "a2a+p2p", "all_gather"]
+    args = parse_args(base + ["--cp-comm-type", "a2a", "a2a", "a2a", "a2a"], world_size=4)
+    assert args.ulysses_size == 4 and args.cp_comm_types is None  # no all_gather layer: the groups decide
 
 
 def test_all_problems_reported_together():

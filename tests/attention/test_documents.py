@@ -36,6 +36,7 @@ DISTRIBUTIONS = {
     "short": [[3, 5, 2, 7, 1, 4, 6, 2, 9, 3, 5, 1, 8, 2, 6], [2] * 32],  # shorter than a chunk
     "pad_negative": [[10, 20, 14, -20], [30, 30, -4]],  # padding attends to nothing
     "pad_own_id": [[10, 20, 14, 20], [5, 50, 9]],  # padding as one more document
+    "none": [[64], [64]],  # document_ids=None (all_gather only: the other variants have their own tests)
 }
 
 
@@ -76,9 +77,11 @@ def _cases():
     cases = []
     for variant in VARIANTS:
         for dist_name in DISTRIBUTIONS:
+            if dist_name == "none" and not variant.startswith("all_gather"):
+                continue
             for causal in (True, False):
                 for gqa in (False, True):
-                    if not causal and dist_name not in ("random", "pad_negative"):
+                    if not causal and dist_name not in ("random", "pad_negative", "none"):
                         continue  # full attention: two distributions are enough
                     cases.append(dict(variant=variant, docs=dist_name, causal=causal, gqa=gqa, dtype="fp32"))
     cases += [dict(variant=v, docs="random", causal=True, gqa=True, dtype="fp64") for v in ("ring4", "hybrid_u2r2", "all_gather4")]
@@ -141,7 +144,7 @@ def _positions(variant, rank):
 def _attn(case, groups, rank, ids_local, positions):
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
 
-    v, kw = case["variant"], dict(causal=case["causal"], document_ids=ids_local)
+    v, kw = case["variant"], dict(causal=case["causal"], document_ids=None if case["docs"] == "none" else ids_local)
     if v.startswith("ring"):
         return lambda q, k, v_: ring_attention(q, k, v_, group=groups[int(v[-1])], **kw)
     if v.startswith("ulysses"):

@@ -57,10 +57,52 @@ MASKED = {
 }
 LAYOUTS.update(MASKED)
 
+# Packed documents (Megatron's --reset-attention-mask --reset-position-ids --eod-mask-loss) on a
+# corpus of short documents (1-12 tokens: shorter than a CP4 zigzag chunk of 4, single-token
+# ones, and ones spanning several ranks in a 32-token sample), against CP=1 with the same flags.
+DOC_FLAGS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+DOCUMENTS = {
+    "cp1_docs": (1, []),
+    "cp2_ring_docs": (2, ["--context-parallel-size", "2"]),
+    "cp4_ulysses2_ring2_docs": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                    "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "cp2_all_gather_docs": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    # per-layer types: the U2 x R2 hybrid and all_gather layers on the same layout
+    "cp4_hybrid_and_all_gather_docs": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                           "all_gather", "a2a+p2p", "all_gather",
+                                           "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "pp2_cp2_docs": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_docs": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+                               "2", "--expert-model-parallel-size", "2"]),
+}
+LAYOUTS.update({name: (n, flags + DOC_FLAGS) for name, (n, flags) in DOCUMENTS.items()})
 
-def _run(name):
+
+def write_short_documents(prefix, num_documents=300, seed=5):
+    """An indexed dataset (ByteTokenizer ids) of documents of 1-12 tokens, each ending with EOD."""
+    import numpy as np
+
+    from cp_ext.data.indexed import IndexedDatasetWriter
+    from cp_ext.data.tokenizers import build_tokenizer
+
+    eod = build_tokenizer("ByteTokenizer", None).eod
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for _ in range(num_documents):
+        writer.add(np.append(rng.integers(32, 127, rng.integers(0, 12)), eod))
+    writer.finalize()
+    writer.commit()
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    return write_short_documents(tmp_path_factory.mktemp("short_docs") / "docs")
+
+
+def _run(name, *extra):
     nproc, flags = LAYOUTS[name]
-    results = launch(__file__, nproc, *MODEL, *flags, timeout=600)
+    results = launch(__file__, nproc, *MODEL, *flags, *extra, timeout=600)
     out_dir = Path(results[0]["results_dir"])
     if "--use-distributed-optimizer" in flags:
         # Its reduce-scatter leaves each DP rank only its own shard of the reduced gradient
@@ -85,9 +127,27 @@ def masked_reference():
     return _run("cp1_masked")
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "tp1pp1dp1" and k not in MASKED])
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "tp1pp1dp1" and k not in MASKED and k not in DOCUMENTS])
 def test_layout_matches_single_process(layout, reference):
     _assert_same(_run(layout), reference)
+
+
+@pytest.fixture(scope="module")
+def documents_reference(short_documents):
+    return _run("cp1_docs", "--data-path", short_documents)
+
+
+@pytest.mark.parametrize("layout", [k for k in DOCUMENTS if k != "cp1_docs"])
+def test_packed_documents_match_single_process(layout, documents_reference, short_documents):
+    _assert_same(_run(layout, "--data-path", short_documents), documents_reference)
+
+
+def test_packed_documents_change_training(documents_reference, short_documents):
+    """Without the flags the same data trains differently: the comparisons above see the masks."""
+    nproc, flags = DOCUMENTS["cp1_docs"]
+    unmasked = launch(__file__, nproc, *MODEL, *flags, "--data-path", short_documents, timeout=600)[0]
+    for a, b in zip(unmasked["lm loss"], documents_reference[0]["lm loss"]):
+        assert abs(a - b) > 1e-3 * abs(b), (a, b)
 
 
 def test_fully_masked_cp_shard(masked_reference):
