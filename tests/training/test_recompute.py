@@ -13,7 +13,9 @@ KV blocks a second time; and that CP-aware recompute really replayed kept output
 case included, where the local kernel's output is kept). The CP2 launch adds a dense model
 (selective ``mlp``), hidden dropout under full recompute (the recomputed forward must draw the
 same masks) and ``--distribute-saved-activations`` on the same 2 ranks re-gridded as TP2 without
-SP (megatron's split of each checkpointed input is counted).
+SP (megatron's split of each checkpointed input is counted). Every grid also trains packed
+documents (``--reset-attention-mask`` on a corpus of short documents) with and without CP-aware
+full recompute, and the CP2 launch the same with ``--cp-comm-type all_gather``.
 """
 
 import sys
@@ -64,16 +66,35 @@ GRIDS = {
     "tp2cp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
                        "--expert-model-parallel-size", "2"]),
 }
-PAIRS = [(mode, "none") for mode in MODES if mode != "none"]
+# Packed documents (the document plan is made in the first forward and reused by the replay's
+# backward), on every grid; on the CP2 launch also with all_gather attention. Data: short documents.
+DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+DOC_RUNS = {
+    "docs_none": DOCS,
+    "docs_full_uniform": DOCS + FULL + ["uniform", "--recompute-num-layers", "1"],
+}
+ALL_GATHER_DOC_RUNS = {
+    "docs_all_gather_none": DOCS + ["--cp-comm-type", "all_gather"],
+    "docs_all_gather_full_uniform": DOCS + ["--cp-comm-type", "all_gather"] + FULL + ["uniform", "--recompute-num-layers", "1"],
+}
+PAIRS = [(mode, "none") for mode in MODES if mode != "none"] + [("docs_full_uniform", "docs_none")]
 EXTRA_PAIRS = [("dense_selective_mlp", "dense_none"), ("dropout_full_uniform", "dropout_none"),
-               ("dense_tp2_full_distributed", "dense_tp2_none")]
+               ("dense_tp2_full_distributed", "dense_tp2_none"),
+               ("docs_all_gather_full_uniform", "docs_all_gather_none")]
 TOLERANCE = 1e-6
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    from tests.training.test_grid_equivalence import write_short_documents
+
+    return write_short_documents(tmp_path_factory.mktemp("recompute_docs") / "docs")
+
+
 @pytest.fixture(scope="module", params=list(GRIDS))
-def grid_results(request):
+def grid_results(request, short_documents):
     nproc, flags = GRIDS[request.param]
-    results = launch(__file__, nproc, "--grid", request.param, timeout=900)
+    results = launch(__file__, nproc, "--grid", request.param, "--docs", short_documents, timeout=900)
     return request.param, results
 
 
@@ -109,6 +130,9 @@ def test_cp_aware_recompute_replays_and_sends_the_ring_once(grid_results):
         assert res["full_uniform"]["replayed"] > 0 and res["full_block"]["replayed"] > 0
         assert res["full_uniform"]["replayed"] > res["full_block"]["replayed"]  # block: only layer 1 of a stage
         assert res["full_uniform_plain"]["replayed"] == res["none"]["replayed"] == 0
+        assert res["docs_full_uniform"]["replayed"] > 0 and res["docs_none"]["replayed"] == 0
+        if grid == "cp2_ring":
+            assert res["docs_all_gather_full_uniform"]["replayed"] > 0
         if grid == "cp1":
             assert res["none"]["comm"] == res["full_uniform"]["comm"] == {}, "CP=1 sends nothing"
             continue
@@ -190,10 +214,13 @@ def worker():
     grid = opts.extra[opts.extra.index("--grid") + 1]
     grid_flags = GRIDS[grid][1]
     base, dense = MODEL + grid_flags, DENSE_MODEL + grid_flags
+    docs = ["--data-path", opts.extra[opts.extra.index("--docs") + 1]]
     runs = {name: (base, flags) for name, flags in MODES.items()}
+    runs.update({name: (base + docs, flags) for name, flags in DOC_RUNS.items()})
     pairs = list(PAIRS)
     if grid == "cp2_ring":
         runs.update({name: (dense if name.startswith("dense") else base, flags) for name, flags in EXTRA.items()})
+        runs.update({name: (base + docs, flags) for name, flags in ALL_GATHER_DOC_RUNS.items()})
         pairs += EXTRA_PAIRS
     records, grads = {}, {}
     for name, (flags, mode) in runs.items():
