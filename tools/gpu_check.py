@@ -17,6 +17,13 @@ written with the environment to ``DIR/summary.json`` (default gpu_check_out/).
    owner, in fp32. For every kernel of `KERNELS` that can run here x fp64/fp32/bf16/fp16
    (where `kernel_problem` allows) x causal/full x MHA/GQA (h 8, kv 8 or 2, d 64): out, LSE,
    dq, dk, dv against float64 truth on the CPU (SDPA; the LSE by an explicit logsumexp).
+   Packed documents (`document_rows`; ids from `document_ids`: single-token documents, a
+   document spanning the sequence, padding rows with id -1): every kernel x dtype's
+   ``forward_segments`` / ``backward_segments`` on the tiles of `DOC_TILES` (diagonal causal
+   and full, an off-diagonal tile cutting documents at both edges, and q documents of one row
+   each), and the simulated ring with ``document_ids`` (causal / full, GQA 8/2), against
+   float64 truth by one SDPA per document (`document_attention`); rows without keys must give
+   out 0 and LSE -inf. Same bounds, "ref" = the same per-document SDPA in the dtype.
    Then ``pytest tests/attention/test_cuda_kernels.py`` (one GPU).
 3. Two or more GPUs (torchrun, NCCL, one rank per GPU): ring (C = all GPUs), Ulysses
    (U = all, when the 8 heads split) and the hybrid (U2 x R(n/2), n >= 4 even) on ~4096
@@ -50,6 +57,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -64,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from cp_ext.attention.documents import clip_runs, diagonal_segments, document_runs, tile_segments  # noqa: E402
 from cp_ext.attention.kernels import KERNELS, get_kernel, kernel_problem  # noqa: E402
 from cp_ext.attention.ring import _rows, step_plan  # noqa: E402
 from cp_ext.attention.utils import accum_dtype, update_out_and_lse  # noqa: E402
@@ -102,12 +111,15 @@ def judge(part, check, dtype, err, ref_err, max_truth, ok=True, **detail):
 
 
 # ----------------------------------------------------------------------------- part 2
-def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale):
+def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale, document_ids=None):
     """ring_attn_forward / ring_attn_backward over ``ring`` virtual ranks on one device.
 
     q, dout [s, b, h, d] and k, v [s, b, hk, d] are the full sequence in the dtype under
     test. Virtual rank r holds its zigzag shard as ring_attention hands it to the ring (a
     [b, h, s/C, d] view of a [s/C, b, h, d] tensor) and KV stacked as the ring sends it.
+    ``document_ids`` [b, s] (the full sequence's, CPU): packed documents, planned as
+    `RingSchedule` plans them (each tile's `tile_segments`; a tile without one is skipped) and
+    computed by ``kernel.forward_segments`` / ``backward_segments``.
     Returns the full-sequence out, dq, dk, dv [s, b, ., d] and lse [b, h, s].
     """
     s, n, dev = q.shape[0], q.shape[0] // ring, q.device
@@ -117,15 +129,30 @@ def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale):
     KV = [torch.stack([local(k, r), local(v, r)]) for r in range(ring)]
     acc = accum_dtype(q.dtype)
     plans = [[step_plan(r, ring, t, causal) for t in range(ring)] for r in range(ring)]
+    runs = None if document_ids is None else [document_runs(document_ids[:, pos[r].cpu()]) for r in range(ring)]
+
+    def tiles(r):  # rank r's tiles that compute: (plan, q rows, kv rows, segments or None for dense)
+        for plan in filter(None, plans[r]):
+            qs, ks, segments = _rows(plan.q_part, n), _rows(plan.kv_part, n), None
+            if runs is not None:
+                segments = tile_segments(clip_runs(runs[r], qs, n), clip_runs(runs[plan.src], ks, n))
+                if not segments:
+                    continue
+            yield plan, qs, ks, segments
+
+    def call(method, segments, *args, causal):  # kernel.forward(...) or kernel.forward_segments(..., segments)
+        if segments is None:
+            return getattr(kernel, method)(*args, causal=causal, scale=scale)
+        return getattr(kernel, f"{method}_segments")(*args, segments, causal=causal, scale=scale)
 
     outs, lses = [], []
     for r in range(ring):  # forward of rank r: at step t it holds block src = (r - t) mod C
         out = torch.zeros(Q[r].shape, dtype=acc, device=dev)
         lse = torch.full(Q[r].shape[:3], float("-inf"), dtype=acc, device=dev)
-        for plan in filter(None, plans[r]):
-            qs, ks, kv = _rows(plan.q_part, n), _rows(plan.kv_part, n), KV[plan.src]
-            block_out, block_lse = kernel.forward(Q[r][:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                  causal=plan.causal, scale=scale)
+        for plan, qs, ks, segments in tiles(r):
+            kv = KV[plan.src]
+            block_out, block_lse = call("forward", segments, Q[r][:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                        causal=plan.causal)
             update_out_and_lse(out, lse, block_out, block_lse, qs)
         outs.append(out.to(q.dtype))  # what the ring returns and saves for its backward
         lses.append(lse)
@@ -133,10 +160,10 @@ def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale):
     dq = [torch.zeros(x.shape, dtype=acc, device=dev) for x in Q]
     dkv = [torch.zeros(x.shape, dtype=acc, device=dev) for x in KV]  # each block's, at its owner
     for r in range(ring):  # backward of rank r, with the global out / LSE of its rows
-        for plan in filter(None, plans[r]):
-            qs, ks, kv = _rows(plan.q_part, n), _rows(plan.kv_part, n), KV[plan.src]
-            dq_s, dk_s, dv_s = kernel.backward(DO[r][:, :, qs], Q[r][:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                               outs[r][:, :, qs], lses[r][:, :, qs], causal=plan.causal, scale=scale)
+        for plan, qs, ks, segments in tiles(r):
+            kv = KV[plan.src]
+            dq_s, dk_s, dv_s = call("backward", segments, DO[r][:, :, qs], Q[r][:, :, qs], kv[0][:, :, ks],
+                                    kv[1][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs], causal=plan.causal)
             dq[r][:, :, qs].add_(dq_s)
             dkv[plan.src][0][:, :, ks].add_(dk_s)
             dkv[plan.src][1][:, :, ks].add_(dv_s)
@@ -205,27 +232,178 @@ def sim_ring_row(kernel_name, dtype_name, causal, gqa, device, cache):
     return judge("single", sim_label(kernel_name, dtype_name, causal, gqa), dtype_name, err, ref_err, max_truth, ok)
 
 
-def sim_ring_rows(device, deadline):
-    """Every kernel that can run on ``device`` x dtype x causal/full x MHA/GQA; and what was skipped."""
-    rows, skipped, cache = [], {}, {}
+def kernel_rows(device, deadline, variants, label, run):
+    """``run(kernel, dtype, *variant)`` for every kernel that can run on ``device`` x dtype x variant: one row
+    each (an exception, or the deadline passed: a FAIL row); and the (kernel, dtypes) skipped, with why."""
+    rows, skipped = [], {}
     for name in KERNELS:
         for dtype_name, dtype in DTYPES.items():
             reason = kernel_problem(name, dtype, SIM["d"], device.type)
             if reason:
                 skipped.setdefault((name, reason), []).append(dtype_name)
                 continue
-            for causal in (True, False):
-                for gqa in (False, True):
-                    if time.monotonic() > deadline:
-                        rows.append(row("single", sim_label(name, dtype_name, causal, gqa), "FAIL",
-                                        "not run: time budget spent"))
-                        continue
-                    try:
-                        rows.append(sim_ring_row(name, dtype_name, causal, gqa, device, cache))
-                    except Exception as e:  # a kernel that crashes is a failed check, not a crashed script
-                        rows.append(row("single", sim_label(name, dtype_name, causal, gqa), "FAIL",
-                                        f"{type(e).__name__}: {e}"[:300]))
+            for variant in variants:
+                if time.monotonic() > deadline:
+                    rows.append(row("single", label(name, dtype_name, *variant), "FAIL", "not run: time budget spent"))
+                    continue
+                try:
+                    rows.append(run(name, dtype_name, *variant))
+                except Exception as e:  # a kernel that crashes is a failed check, not a crashed script
+                    rows.append(row("single", label(name, dtype_name, *variant), "FAIL",
+                                    f"{type(e).__name__}: {e}"[:300]))
     return rows, [dict(kernel=k, dtypes=d, reason=r) for (k, r), d in skipped.items()]
+
+
+def sim_ring_rows(device, deadline):
+    """Every kernel that can run on ``device`` x dtype x causal/full x MHA/GQA; and what was skipped."""
+    cache = {}
+    return kernel_rows(device, deadline, [(c, g) for c in (True, False) for g in (False, True)], sim_label,
+                       lambda name, dt, causal, gqa: sim_ring_row(name, dt, causal, gqa, device, cache))
+
+
+# ----------------------------------------------------------------------------- part 2: packed documents
+# Kernel tiles: (q rows, k rows of the s = 200 sequence, causal, which ids). "docs": `document_ids`;
+# "one-row": every q row its own document, 8 k rows each (all q segments one row long: flash-attn's
+# max_seqlen_q == 1 path, which swaps heads and rows under GQA).
+DOC_TILES = {
+    "diagonal causal": (slice(0, 200), slice(0, 200), True, "docs"),
+    "diagonal full": (slice(0, 200), slice(0, 200), False, "docs"),
+    "off-diagonal full": (slice(0, 100), slice(50, 200), False, "docs"),
+    "one-row q docs full": (slice(0, 25), slice(0, 200), False, "one-row"),
+}
+DOC_VARIANTS = [("diagonal causal", False)] + [(tile, True) for tile in DOC_TILES]  # (tile, gqa)
+
+
+def document_ids(s=SIM["s"]):
+    """[2, s] ids. Sample 0: seeded random document lengths (a third of the draws single-token),
+    then 6 padding rows (id -1: attend to nothing); sample 1: one document over all but its first
+    row and last 2 rows (it spans every tile and every ring rank)."""
+    rng, lengths, left = random.Random(0), [], s - 6
+    while left:
+        lengths.append(min(left, rng.choice((1, 1, 1, 2, 3, 5, 8, 13, 21, 34))))
+        left -= lengths[-1]
+    first = [doc for doc, n in enumerate(lengths) for _ in range(n)] + [-1] * 6
+    return torch.tensor([first, [0] + [1] * (s - 3) + [2, 2]])
+
+
+def document_attention(q, k, v, dout, ids_q, ids_k, causal, dtype, device):
+    """Attention within documents, one SDPA per (sample, document), in ``dtype`` on ``device``.
+
+    q, dout [b, h, s_q, d] and k, v [b, hk, s_k, d] float64; ids_q [b, s_q], ids_k [b, s_k]: the
+    rows of a document in q attend its rows in k (``causal``: they are the same tokens, causal
+    among themselves). Rows with a negative id or whose document has no rows in k: out 0, LSE
+    -inf, no gradient. The LSE is logsumexp of the dtype-rounded q, k in the kernels'
+    accumulation dtype (as `single_device`). Returns float64 CPU out, lse, dq, dk, dv.
+    """
+    xs = [x.to(device, dtype).detach().requires_grad_() for x in (q, k, v)]
+    acc, scale, group = accum_dtype(dtype), q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=dtype, device=device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=device)
+    outs, grads = [], []
+    for b in range(q.shape[0]):
+        for doc in ids_q[b].unique().tolist():
+            qi, ki = ((ids[b] == doc).nonzero()[:, 0].to(device) for ids in (ids_q, ids_k))
+            if doc < 0 or ki.numel() == 0:
+                continue
+            qd, kd, vd = xs[0][b:b + 1, :, qi], xs[1][b:b + 1, :, ki], xs[2][b:b + 1, :, ki]
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=True)
+            outs.append(o)
+            grads.append(dout[b:b + 1, :, qi.cpu()].to(device, dtype))
+            out[b, :, qi] = o[0].detach()
+            scores = qd.detach().to(acc) @ kd.detach().to(acc).repeat_interleave(group, 1).transpose(-1, -2) * scale
+            if causal:
+                scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=device).triu(1),
+                                    float("-inf"))
+            lse[b, :, qi] = torch.logsumexp(scores, -1)[0]
+    torch.autograd.backward(outs, grads)
+    back = lambda x: x.detach().double().cpu()  # noqa: E731
+    dq, dk, dv = (back(x.grad) if x.grad is not None else torch.zeros(x.shape, dtype=torch.float64) for x in xs)
+    return dict(out=back(out), lse=back(lse), dq=dq, dk=dk, dv=dv)
+
+
+def _max_err(got, want):
+    """max |got - want|, equal entries (-inf == -inf: a row with no keys in both) counting 0; NaN stays NaN."""
+    got = got.double().cpu()
+    return torch.where(got == want, 0.0, (got - want).abs()).max().item()
+
+
+def _reference_errors(ref, truth):
+    """(ref_err, max_truth) per tensor for `judge`; max |truth| over its finite entries (the LSE of a row
+    without keys is -inf)."""
+    return ({t: _max_err(ref[t], truth[t]) for t in truth},
+            {t: torch.where(truth[t].isfinite(), truth[t], 0.0).abs().max().item() for t in truth})
+
+
+def doc_label(kernel_name, dtype_name, tile, gqa):
+    return f"docs kernel {kernel_name} {dtype_name} {tile} {'GQA 8/2' if gqa else 'MHA 8/8'}"
+
+
+def doc_kernel_row(kernel_name, dtype_name, tile, gqa, device, cache):
+    """``forward_segments`` / ``backward_segments`` of one kernel on one tile of packed documents
+    (the backward with the forward's own out / LSE) against float64 per-document truth: one row."""
+    dtype = DTYPES[dtype_name]
+    qs, ks, causal, which = DOC_TILES[tile]
+    key = (tile, gqa)
+    if key not in cache:
+        ids = document_ids() if which == "docs" else None
+        ids_q = ids[:, qs] if ids is not None else torch.arange(qs.stop - qs.start).expand(2, -1)
+        ids_k = ids[:, ks] if ids is not None else (torch.arange(ks.stop - ks.start) // 8).expand(2, -1)
+        q, k, v, dout = (x.permute(1, 2, 0, 3) for x in _inputs(False, gqa))  # [b, h, s, d] views, as the ring's
+        x = (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs])
+        cache[key] = (x, ids_q, ids_k, document_attention(*x, ids_q, ids_k, causal, torch.float64, "cpu"))
+    x, ids_q, ids_k, truth = cache[key]
+    if (key, dtype_name) not in cache:
+        cache[key, dtype_name] = _reference_errors(document_attention(*x, ids_q, ids_k, causal, dtype, device), truth)
+    runs_q = document_runs(ids_q)
+    segments = diagonal_segments(runs_q) if qs == ks else tile_segments(runs_q, document_runs(ids_k))
+    kernel = get_kernel(device, dtype, kernel_name, head_dim=SIM["d"])
+    q, k, v, dout = (t.to(device, dtype) for t in x)
+    out, lse = kernel.forward_segments(q, k, v, segments, causal=causal, scale=SIM["d"] ** -0.5)
+    dq, dk, dv = kernel.backward_segments(dout, q, k, v, out, lse, segments, causal=causal, scale=SIM["d"] ** -0.5)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    acc = accum_dtype(dtype)
+    ok = out.dtype == dtype and all(got[t].dtype == acc for t in ("lse", "dq", "dk", "dv"))
+    err = {t: _max_err(got[t], truth[t]) for t in truth}
+    return judge("single", doc_label(kernel_name, dtype_name, tile, gqa), dtype_name, err, *cache[key, dtype_name], ok,
+                 segments=len(segments))
+
+
+def doc_sim_label(kernel_name, dtype_name, causal):
+    mask = "causal" if causal else "full"
+    return f"docs sim-ring C{SIM['ring']} s{SIM['s']} {kernel_name} {dtype_name} {mask} GQA 8/2"
+
+
+def doc_sim_ring_row(kernel_name, dtype_name, causal, device, cache):
+    """The simulated ring with `document_ids` (GQA 8/2) against float64 per-document truth: one row."""
+    dtype = DTYPES[dtype_name]
+    ids = document_ids()
+    to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+    if causal not in cache:
+        x = _inputs(causal, True)
+        cache[causal] = (x, document_attention(*map(to_bhsd, x), ids, ids, causal, torch.float64, "cpu"))
+    x, truth = cache[causal]
+    if (causal, dtype_name) not in cache:
+        cache[causal, dtype_name] = _reference_errors(
+            document_attention(*map(to_bhsd, x), ids, ids, causal, dtype, device), truth)
+    kernel = get_kernel(device, dtype, kernel_name, head_dim=SIM["d"])
+    got = simulate_ring(kernel, *(t.to(device, dtype) for t in x), ring=SIM["ring"], causal=causal,
+                        scale=SIM["d"] ** -0.5, document_ids=ids)
+    ok = all(got[t].dtype == dtype for t in ("out", "dq", "dk", "dv")) and got["lse"].dtype == accum_dtype(dtype)
+    got = {t: to_bhsd(got[t]) if got[t].dim() == 4 else got[t] for t in got}
+    err = {t: _max_err(got[t], truth[t]) for t in truth}
+    return judge("single", doc_sim_label(kernel_name, dtype_name, causal), dtype_name, err, *cache[causal, dtype_name],
+                 ok)
+
+
+def document_rows(device, deadline):
+    """Packed documents: every kernel that can run on ``device`` x dtype on `DOC_VARIANTS` tiles, and
+    the simulated ring with documents (causal / full, GQA)."""
+    kernel_cache, sim_cache = {}, {}
+    rows, _ = kernel_rows(device, deadline, DOC_VARIANTS, doc_label,
+                          lambda name, dt, tile, gqa: doc_kernel_row(name, dt, tile, gqa, device, kernel_cache))
+    sim, _ = kernel_rows(device, deadline, [(True,), (False,)], doc_sim_label,
+                         lambda name, dt, causal: doc_sim_ring_row(name, dt, causal, device, sim_cache))
+    return rows + sim
 
 
 # ----------------------------------------------------------------------------- subprocesses
@@ -507,6 +685,7 @@ def main(argv=None):
     rows, skipped = sim_ring_rows(device, time.monotonic() + left(180))
     for s in skipped:
         print(f"  not run here: {s['kernel']} {'/'.join(s['dtypes'])}: {s['reason']}")
+    rows += document_rows(device, time.monotonic() + left(60))
     n = env["gpu_count"]
     if device.type == "cuda":
         torch.cuda.empty_cache()

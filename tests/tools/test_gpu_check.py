@@ -13,6 +13,7 @@ import torch
 from tests.launch import REPO_ROOT
 
 KERNELS, DTYPES = ("cpu", "unfused"), ("fp32", "bf16", "fp16")
+DOC_TILES = ("diagonal causal", "diagonal full", "off-diagonal full", "one-row q docs full")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,15 @@ def test_cpu_run_passes_every_kernel_dtype_and_mask(cpu_run):
                     assert rows[name]["status"] == "PASS", rows.get(name)
                     assert set(rows[name]["detail"]["err"]) == {"out", "lse", "dq", "dk", "dv"}
     assert all(r["status"] == "PASS" for r in summary["rows"] if r["part"] == "single" and "sim-ring" in r["check"])
+    for kernel in KERNELS:  # packed documents: forward_segments / backward_segments, and the ring with documents
+        for dtype in DTYPES + ("fp64",):
+            for tile, heads in [("diagonal causal", "MHA 8/8")] + [(t, "GQA 8/2") for t in DOC_TILES]:
+                name = f"docs kernel {kernel} {dtype} {tile} {heads}"
+                assert rows[name]["status"] == "PASS" and rows[name]["detail"]["segments"] > 0, rows.get(name)
+            for mask in ("causal", "full"):
+                name = f"docs sim-ring C4 s200 {kernel} {dtype} {mask} GQA 8/2"
+                assert rows[name]["status"] == "PASS", rows.get(name)
+                assert set(rows[name]["detail"]["err"]) == {"out", "lse", "dq", "dk", "dv"}
     assert {s["kernel"] for s in summary["skipped"]} == {"flash", "efficient", "cudnn", "flash_attn", "te"}
     env = summary["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and "date" in env
@@ -100,6 +110,69 @@ def test_wrong_half_tile_fails(gc, monkeypatch):
     monkeypatch.setattr(gc, "_rows", lambda part, s: rows({"first": "second", "second": "first"}.get(part, part), s))
     r = gc.sim_ring_row("cpu", "fp32", True, False, torch.device("cpu"), {})
     assert r["status"] == "FAIL", r
+
+
+def test_document_ids_and_truth(gc):
+    """The ids hold single-token documents, padding and a document spanning the sequence; the
+    per-document truth is attention under the dense block-diagonal (causal) mask, padding rows 0."""
+    ids = gc.document_ids()
+    lengths = [n for _, a, e in gc.document_runs(ids)[0] for n in [e - a]]
+    assert ids.shape == (2, 200) and lengths.count(1) >= 3 and (ids[0, -6:] == -1).all() and ids[0, -7] >= 0
+    assert (ids[1, 1:-2] == 1).all() and set(gc.DOC_TILES) == set(DOC_TILES)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, 30, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 30, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = torch.tensor([[0] * 5 + [1] + [2] * 10 + [3, 4] + [5] * 8 + [-1] * 4, [0] + [1] * 27 + [2] * 2])
+    for causal in (True, False):
+        got = gc.document_attention(q, k, v, dout, ids, ids, causal, torch.float64, "cpu")
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        allowed = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+        if causal:
+            allowed &= torch.ones(30, 30, dtype=torch.bool).tril()
+        scores = (xs[0] @ xs[1].repeat_interleave(2, 1).transpose(-1, -2) * 8 ** -0.5).masked_fill(
+            ~allowed[:, None], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.where(lse.isfinite(), lse, 0).unsqueeze(-1))
+        out = p @ xs[2].repeat_interleave(2, 1)
+        out.backward(dout)
+        want = dict(out=out.detach(), lse=lse.detach(), dq=xs[0].grad, dk=xs[1].grad, dv=xs[2].grad)
+        assert all(gc._max_err(got[t], want[t]) < 1e-12 for t in want), causal
+        assert (got["out"][ids[:, None, :].expand(-1, 4, -1) < 0] == 0).all() and got["lse"][0, :, -1].isneginf().all()
+
+
+class _WrongSegments:
+    """Wraps a kernel: ``how`` breaks its forward_segments or backward_segments."""
+
+    def __init__(self, kernel, how):
+        self.kernel, self.how = kernel, how
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def forward_segments(self, q, k, v, segments, **kw):
+        if self.how == "ignore documents":  # the dense tile: attends across documents
+            return self.kernel.forward(q, k, v, **kw)
+        if self.how == "drop a segment":
+            segments = segments[:-1]
+        return self.kernel.forward_segments(q, k, v, segments, **kw)
+
+    def backward_segments(self, dout, q, k, v, out, lse, segments, **kw):
+        if self.how == "stale lse":
+            lse = lse + 0.05
+        return self.kernel.backward_segments(dout, q, k, v, out, lse, segments, **kw)
+
+
+@pytest.mark.parametrize("how, broken", [("ignore documents", {"out", "lse"}), ("drop a segment", {"out", "lse"}),
+                                         ("stale lse", {"dq", "dk", "dv"})])
+def test_wrong_document_kernel_fails(gc, monkeypatch, how, broken):
+    get = gc.get_kernel
+    monkeypatch.setattr(gc, "get_kernel", lambda *a, **kw: _WrongSegments(get(*a, **kw), how))
+    device = torch.device("cpu")
+    for r in (gc.doc_kernel_row("cpu", "fp32", "diagonal causal", True, device, {}),
+              gc.doc_sim_ring_row("cpu", "fp32", False, device, {})):
+        d = r["detail"]
+        over = {t for t in d["err"] if not d["err"][t] <= d["bounds"][t]}
+        assert r["status"] == "FAIL" and broken <= over, (how, r["check"], d["err"])
 
 
 def test_nan_is_a_failure(gc):
