@@ -9,8 +9,8 @@ block-diagonal (causal) mask* (padding rows: output and gradients 0), then runs 
 on its shard and records the max abs error of out, dq, dk and dv.
 
 Bound (per tensor, max over ranks): error <= 2 x the single-device fp32 error (SDPA's flash
-kernel with the same mask, see `reference`); fp64 <= 1e-12, which checks the masking and
-merging algebra exactly.
+kernel with the same mask, see `reference`) + one fp32 ulp of max|truth|; fp64 <= 1e-12,
+which checks the masking and merging algebra exactly.
 Also: padding rows give exactly 0 and nothing is NaN; a ring step whose tile shares no
 document computes nothing, and a ring with no work left stops (bytes counted).
 """
@@ -26,6 +26,10 @@ from tests.attention.reference import TENSORS  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
+# One fp32 rounding of the largest value: dK/dV summed over 4 ring steps (and GQA heads) in
+# fp32 can land one ulp past 2x the single-device error (measured worst: 2.06x, ring4
+# contiguous, full attention, GQA).
+FP32_ULP = 2.0 ** -23
 S = 64  # 8 zigzag chunks of 8 at C = 4
 
 # Per sample: document lengths (a negative length: that many padding tokens with id -1).
@@ -70,7 +74,7 @@ def full_document_ids(name, seed=0):
     return torch.tensor(rows, dtype=torch.int64)
 
 
-VARIANTS = ("ring2", "ring4", "ulysses2", "ulysses4", "hybrid_u2r2", "all_gather2", "all_gather4", "all_gather_u2r2")
+VARIANTS = ("ring2", "ring4", "ring4_contiguous", "ulysses2", "ulysses4", "hybrid_u2r2", "all_gather2", "all_gather4", "all_gather_u2r2")
 
 
 def _cases():
@@ -84,7 +88,7 @@ def _cases():
                     if not causal and dist_name not in ("random", "pad_negative", "none"):
                         continue  # full attention: two distributions are enough
                     cases.append(dict(variant=variant, docs=dist_name, causal=causal, gqa=gqa, dtype="fp32"))
-    cases += [dict(variant=v, docs="random", causal=True, gqa=True, dtype="fp64") for v in ("ring4", "hybrid_u2r2", "all_gather4")]
+    cases += [dict(variant=v, docs="random", causal=True, gqa=True, dtype="fp64") for v in ("ring4", "ring4_contiguous", "ulysses4", "hybrid_u2r2", "all_gather4", "all_gather_u2r2")]
     for c in cases:
         c["name"] = f"{c['variant']}-{c['docs']}-{'causal' if c['causal'] else 'full'}-{'gqa' if c['gqa'] else 'mha'}-{c['dtype']}"
     return cases
@@ -135,6 +139,8 @@ def _positions(variant, rank):
 
     if variant in ("hybrid_u2r2", "all_gather_u2r2"):  # Ulysses [0, 1] [2, 3], rings [0, 2] [1, 3]
         return context_parallel_positions(S, ring_rank=rank // 2, ring_size=2, ulysses_rank=rank % 2, ulysses_size=2)
+    if variant == "ring4_contiguous":
+        return context_parallel_positions(S, ring_rank=rank, ring_size=4, layout="contiguous")
     size = int(variant[-1])
     if variant.startswith("ulysses"):
         return context_parallel_positions(S, ring_rank=0, ring_size=1, ulysses_rank=rank % size, ulysses_size=size)
@@ -145,6 +151,8 @@ def _attn(case, groups, rank, ids_local, positions):
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
 
     v, kw = case["variant"], dict(causal=case["causal"], document_ids=None if case["docs"] == "none" else ids_local)
+    if v == "ring4_contiguous":
+        return lambda q, k, v_: ring_attention(q, k, v_, group=groups[4], layout="contiguous", **kw)
     if v.startswith("ring"):
         return lambda q, k, v_: ring_attention(q, k, v_, group=groups[int(v[-1])], **kw)
     if v.startswith("ulysses"):
@@ -177,6 +185,7 @@ def _run_case(case, groups, rank):
     return {
         "err": {n: (g.double() - sh(t)).abs().max().item() for n, g, t in zip(TENSORS, got, truth)},
         "ref_err": {n: (a - t).abs().max().item() for n, a, t in zip(TENSORS, ref, truth)},
+        "max_truth": {n: t.abs().max().item() for n, t in zip(TENSORS, truth)},
         "finite": all(bool(torch.isfinite(g).all()) for g in got),
         "padding_max": max([g[padding].abs().max().item() for g in got[:2] if padding.any()] + [0.0]),
     }
@@ -260,10 +269,12 @@ def test_documents_match_float64_truth(results, case):
     for t in TENSORS:
         err = max(res[name]["err"][t] for res in results.values())
         ref = max(res[name]["ref_err"][t] for res in results.values())
+        ulp = FP32_ULP * max(res[name]["max_truth"][t] for res in results.values())
         if case["dtype"] == "fp64":
             assert err <= 1e-12, f"{t}: fp64 error {err:.3g}"
         else:
-            assert err <= 2 * ref, f"{t}: error {err:.3g} > 2 x single-device fp32 SDPA error {ref:.3g}"
+            assert err <= 2 * ref + ulp, (f"{t}: error {err:.3g} > 2 x single-device fp32 SDPA error {ref:.3g} "
+                                          f"+ one ulp of max|truth| {ulp:.3g}")
     assert all(res[name]["finite"] for res in results.values()), "NaN or inf in out/dq/dk/dv"
     assert all(res[name]["padding_max"] == 0.0 for res in results.values()), "padding rows must give exactly 0"
 
