@@ -3,6 +3,11 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/bench_attention.py \
         --seq-length 8192 --heads 8 --kv-heads 8 --head-dim 64 --dtype fp32 --reps 9
 
+Packed documents, 8 (or 64) equal documents per 16K-token sample, on a CPU box (a few minutes):
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/bench_attention.py \
+        --seq-length 16384 --heads 4 --head-dim 64 --reps 3 --warmup 1 --documents 8
+
 C = the number of ranks (gloo on CPU, NCCL on GPU: one GPU per rank). Variants, interleaved
 per repetition (ideal, ring, compute-only, ulysses, hybrid, ideal, ...) so a noisy machine
 hits them alike; every timed call starts after a barrier and a repetition's time is the
@@ -18,6 +23,17 @@ slowest rank's:
 * ``ulysses``: `cp_ext.attention.ulysses.ulysses_attention` over all C ranks (needs h % C == 0).
 * ``hybrid``: `cp_ext.attention.hybrid.hybrid_attention` with ``--ulysses-size`` U and a ring
   of C/U (only when 1 < U < C).
+* ``all_gather``: `cp_ext.attention.all_gather.all_gather_attention` over all C ranks (K/V
+  all-gathered, dK/dV reduce-scattered); not in the default list, ask for it with --variants.
+
+``--documents N``: every sample is N equal documents (ids made for the whole sequence and
+sharded like the tokens, `cp_ext.data.sharding.context_parallel_positions`). The ring and
+all_gather (default variants then: ``ring,all_gather``) also run with these ``document_ids``,
+interleaved with their own runs without (``ring+docs`` right after ``ring``), and are reported
+side by side: forward tiles computed per rank and query-key pairs computed (`count_work`: a
+tile that shares no document is skipped), time (ratio = with documents / without, median of
+the per-repetition ratios), and bytes sent (the ring stops once no rank has work left, so
+documents that fit the zigzag chunks send nothing; all_gather's bytes do not change).
 
 Reported: median ms, the ideal's median, their ratio (median of the per-repetition ratios),
 and the bytes each rank sent per collective, counted at the call sites
@@ -39,12 +55,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cp_ext.attention import ring as ring_mod  # noqa: E402
+from cp_ext.attention.all_gather import all_gather_attention  # noqa: E402
 from cp_ext.attention.hybrid import hybrid_attention  # noqa: E402
 from cp_ext.attention.kernels import get_kernel  # noqa: E402
 from cp_ext.attention.ring import ring_attention  # noqa: E402
 from cp_ext.attention.ulysses import ulysses_attention  # noqa: E402
+from cp_ext.data.sharding import context_parallel_positions  # noqa: E402
 from cp_ext.perf import comm as comm_formula  # noqa: E402
-from cp_ext.perf.counter import count_comm  # noqa: E402
+from cp_ext.perf.counter import count_comm, count_work  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -52,7 +70,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 class _NoComm:
     """RingComm without communication: the "received" block is the one we hold (same shape)."""
 
-    def __init__(self, group):
+    def __init__(self, group, shift=1):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -107,7 +125,11 @@ def main(argv=None):
     p.add_argument("--ulysses-size", type=int, default=None, help="U of the hybrid (default: 2 when C >= 4)")
     p.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag")
     p.add_argument("--full", action="store_true", help="non-causal attention (default causal)")
-    p.add_argument("--variants", default="ideal,ring,compute,ulysses,hybrid")
+    p.add_argument("--variants", default=None,
+                   help="comma list of ideal,ring,compute,ulysses,hybrid,all_gather (default: the first five; "
+                        "ring,all_gather with --documents)")
+    p.add_argument("--documents", type=int, default=None,
+                   help="N equal documents per sample: ring and all_gather also run with these document_ids")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
@@ -135,7 +157,13 @@ def main(argv=None):
         raise SystemExit(f"--seq-length {s} must be divisible by {chunks}")
     s_local = s // C
     u_h = args.ulysses_size or (2 if C >= 4 and C % 2 == 0 else 1)
-    variants = [v for v in args.variants.split(",") if v]
+    if args.documents is not None and not (0 < args.documents <= s and s % args.documents == 0):
+        raise SystemExit(f"--documents {args.documents} must divide --seq-length {s} (equal documents)")
+    default = "ring,all_gather" if args.documents else "ideal,ring,compute,ulysses,hybrid"
+    variants = [v for v in (args.variants or default).split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
     if "ulysses" in variants and (h % C or C == 1):
         variants.remove("ulysses")
     if "hybrid" in variants and not (1 < u_h < C and C % u_h == 0 and h % u_h == 0):
@@ -153,6 +181,14 @@ def main(argv=None):
         hk_i = h_i
     q_i, k_i, v_i, do_i = mk(b, h_i, s, d), mk(b, hk_i, s, d), mk(b, hk_i, s, d), mk(b, h_i, s, d)
 
+    # N equal documents over the whole sample, sharded like q (ring layout over all C ranks)
+    doc_ids = None
+    doc_variants = [n for n in variants if n in ("ring", "all_gather")] if args.documents else []
+    if args.documents:
+        full_ids = (torch.arange(s) // (s // args.documents)).expand(b, s)
+        positions = context_parallel_positions(s, ring_rank=me, ring_size=C, layout=args.layout)
+        doc_ids = full_ids[:, positions].contiguous().to(device)
+
     def leaf(x):
         return x.detach().clone().requires_grad_()
 
@@ -160,22 +196,30 @@ def main(argv=None):
         out, lse = kernel.forward(q_i, k_i, v_i, causal=causal, scale=scale)
         kernel.backward(do_i, q_i, k_i, v_i, out, lse, causal=causal, scale=scale)
 
-    def cp_call(name):
+    def cp_call(name, docs=None):
         if name == "ring" or name == "compute":
-            return lambda q, k, v: ring_attention(q, k, v, causal=causal, softmax_scale=scale, group=world, layout=args.layout)
+            return lambda q, k, v: ring_attention(q, k, v, causal=causal, softmax_scale=scale, group=world,
+                                                  layout=args.layout, document_ids=docs)
+        if name == "all_gather":
+            return lambda q, k, v: all_gather_attention(q, k, v, causal=causal, softmax_scale=scale, group=world,
+                                                        layout=args.layout, document_ids=docs)
         if name == "ulysses":
             return lambda q, k, v: ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, group=world)
         return lambda q, k, v: hybrid_attention(q, k, v, causal=causal, softmax_scale=scale, ulysses_group=ulysses_group,
                                                 ring_group=ring_group, layout=args.layout)
 
-    def run_cp(name):
+    def run_cp(name, docs=None):
         q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
         ctx = no_comm() if name == "compute" else contextlib.nullcontext()
         with ctx:
-            out = cp_call(name)(q, k, v)
+            out = cp_call(name, docs)(q, k, v)
             out.backward(do_l)
 
-    runners = {n: (run_ideal if n == "ideal" else (lambda n=n: run_cp(n))) for n in variants}
+    runners = {}
+    for n in variants:  # a variant's run with documents right after its run without
+        runners[n] = run_ideal if n == "ideal" else (lambda n=n: run_cp(n))
+        if n in doc_variants:
+            runners[n + DOCS] = lambda n=n: run_cp(n, doc_ids)
 
     def timed(fn):
         dist.barrier()
@@ -186,47 +230,95 @@ def main(argv=None):
         return time.perf_counter() - t0
 
     for _ in range(args.warmup):
-        for n in variants:
+        for n in runners:
             timed(runners[n])
-    times = {n: [] for n in variants}
+    times = {n: [] for n in runners}
     for _ in range(args.reps):
-        for n in variants:
+        for n in runners:
             times[n].append(timed(runners[n]))
     # a repetition takes as long as its slowest rank
     gathered = [None] * C
     dist.all_gather_object(gathered, times)
-    slowest = {n: [max(g[n][i] for g in gathered) for i in range(args.reps)] for n in variants}
+    slowest = {n: [max(g[n][i] for g in gathered) for i in range(args.reps)] for n in runners}
+
+    def counted_call(name, docs=None):
+        """Bytes per collective (forward, backward) and the forward's work, counted at the call sites."""
+        q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
+        with count_comm() as c, count_work() as w:
+            out = cp_call(name, docs)(q, k, v)
+        fwd, work = dict(c.bytes), {"tiles": w.calls["tiles"], "pairs": w.bytes["pairs"]}
+        with count_comm() as c:
+            out.backward(do_l)
+        return fwd, dict(c.bytes), work
 
     # bytes per collective, counted at the call sites, forward and backward separately
-    counted = {}
+    counted, documents = {}, {}
     for n in variants:
         if n in ("ideal", "compute"):
             continue
-        q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
-        with count_comm() as c:
-            out = cp_call(n)(q, k, v)
-        fwd = dict(c.bytes)
-        with count_comm() as c:
-            out.backward(do_l)
-        bwd = dict(c.bytes)
-        u = {"ring": 1, "ulysses": C, "hybrid": u_h}[n]
-        formula = comm_formula.cp_attention_bytes(b=b, h=h, hk=hk, s=s, d=d, cp=C, ulysses=u, dtype=args.dtype)
+        fwd, bwd, work = counted_call(n)
+        u = {"ring": 1, "ulysses": C, "hybrid": u_h, "all_gather": 1}[n]
+        formula = comm_formula.cp_attention_bytes(b=b, h=h, hk=hk, s=s, d=d, cp=C, ulysses=u, dtype=args.dtype,
+                                                  comm_type="all_gather" if n == "all_gather" else None)
+        used = [coll for coll in formula if any((*formula[coll].values(), fwd.get(coll), bwd.get(coll)))]
         counted[n] = {coll: {"fwd": fwd.get(coll, 0), "bwd": bwd.get(coll, 0),
-                             "formula_fwd": formula[coll]["fwd"], "formula_bwd": formula[coll]["bwd"]}
-                      for coll in ("ring_p2p", "ulysses_a2a") if formula[coll]["fwd"] or fwd.get(coll)}
+                             "formula_fwd": formula[coll]["fwd"], "formula_bwd": formula[coll]["bwd"]} for coll in used}
+        if n in doc_variants:
+            dfwd, dbwd, dwork = counted_call(n, doc_ids)
+            colls = sorted(set(fwd) | set(bwd) | set(dfwd) | set(dbwd))
+            by_coll = lambda f, b_: {c: {"fwd": f.get(c, 0), "bwd": b_.get(c, 0)} for c in colls}  # noqa: E731
+            documents[n] = {"none": {"work": work, "bytes": by_coll(fwd, bwd)},
+                            "docs": {"work": dwork, "bytes": by_coll(dfwd, dbwd)}}
     all_counts = [None] * C
     dist.all_gather_object(all_counts, counted)
+    all_documents = [None] * C
+    dist.all_gather_object(all_documents, documents)
 
     if me == 0:
         res = report(args, C, u_h, variants, slowest, all_counts, device, ideal_split)
+        if doc_variants:
+            res["documents"] = report_documents(args, doc_variants, slowest, all_documents)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
 
+VARIANTS = ("ideal", "ring", "compute", "ulysses", "hybrid", "all_gather")
+DOCS = "+docs"  # the timing key of a variant's run with document_ids
+
+
 def _med(xs):
     return statistics.median(xs)
+
+
+def report_documents(args, doc_variants, slowest, all_documents):
+    """With document_ids vs without, per variant: tiles and pairs per rank, time, bytes per rank."""
+    s, n_docs = args.seq_length, args.documents
+    print(f"documents: {n_docs} equal documents per sample ({s // n_docs} tokens each), ids sharded like the tokens "
+          f"({args.layout}); with document_ids / without, same run:")
+    out = {"n": n_docs, "tokens_per_document": s // n_docs, "variants": {}}
+    for n in doc_variants:
+        per_rank = [r[n] for r in all_documents]
+        tiles = {k: [r[k]["work"]["tiles"] for r in per_rank] for k in ("docs", "none")}
+        pairs = {k: [r[k]["work"]["pairs"] for r in per_rank] for k in ("docs", "none")}
+        pair_ratio = sum(pairs["docs"]) / sum(pairs["none"]) if sum(pairs["none"]) else float("nan")
+        per_rep = [a / b for a, b in zip(slowest[n + DOCS], slowest[n])]
+        ms = {"docs": _med(slowest[n + DOCS]) * 1e3, "none": _med(slowest[n]) * 1e3}
+        print(f"  {n:10s} tiles/rank (fwd) {tiles['docs']} / {tiles['none']}; query-key pairs/rank {pairs['docs']} / "
+              f"{pairs['none']} = {pair_ratio:.4f}")
+        print(f"  {'':10s} time {ms['docs']:.1f} / {ms['none']:.1f} ms = {_med(per_rep):.3f} (median of {len(per_rep)} "
+              f"paired reps; per rep: {' '.join(f'{x:.3f}' for x in per_rep)})")
+        colls = per_rank[0]["none"]["bytes"]
+        for coll in colls:
+            d, w = per_rank[0]["docs"]["bytes"][coll], per_rank[0]["none"]["bytes"][coll]
+            same = all(r[k]["bytes"][coll] == per_rank[0][k]["bytes"][coll] for r in per_rank for k in ("docs", "none"))
+            print(f"  {'':10s} {coll} bytes/rank fwd {d['fwd']} / {w['fwd']}, bwd {d['bwd']} / {w['bwd']}"
+                  f"{'' if same else ' (rank 0; ranks differ)'}")
+        out["variants"][n] = {"tiles": tiles, "pairs": pairs, "pair_ratio": pair_ratio, "median_ms": ms,
+                              "time_ratio": _med(per_rep), "time_ratios": per_rep,
+                              "bytes": {k: [r[k]["bytes"] for r in per_rank] for k in ("docs", "none")}}
+    return out
 
 
 def report(args, C, u_h, variants, slowest, all_counts, device, ideal_split):
@@ -270,7 +362,7 @@ def report(args, C, u_h, variants, slowest, all_counts, device, ideal_split):
             same = all(rank_counts[n][coll] == c for rank_counts in all_counts)
             match = c["fwd"] == c["formula_fwd"] and c["bwd"] == c["formula_bwd"]
             ok &= match and same
-            print(f"  {n:8s} {coll:12s} fwd {c['fwd']:>12d} (formula {c['formula_fwd']:>12d})  "
+            print(f"  {n:10s} {coll:18s} fwd {c['fwd']:>12d} (formula {c['formula_fwd']:>12d})  "
                   f"bwd {c['bwd']:>12d} (formula {c['formula_bwd']:>12d})  {'match' if match else 'MISMATCH'}"
                   f"{'' if same else ' (ranks differ)'}")
     res["bytes_match"] = ok

@@ -21,6 +21,13 @@ that fit are ranked: no recompute first, then the least estimated communication 
 (per-layer bytes over NVLink or the inter-node network, x layers per stage x microbatches),
 then the smallest pipeline bubble. Layouts that do not fit or are invalid are listed with
 their reason (``--show-invalid``).
+
+``--cp-comm-types a2a+p2p all_gather`` also plans every CP > 1 layout with all-gather
+attention (``--cp-comm-type all_gather``: K/V all-gathered over the CP group, dK/dV
+reduce-scattered; no Ulysses), ranked with the others: its transient full-sequence K/V (and
+fp32 dK/dV) is in the activations (`cp_ext.perf.memory.all_gather_transient_bytes`) and its
+bytes in the communication (`cp_ext.perf.comm.all_gather_bytes`). The default plans only
+``a2a+p2p``: the Ulysses x ring layouts above (U = 1 is the ring).
 """
 
 import argparse
@@ -32,7 +39,7 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_ext.perf import comm  # noqa: E402
-from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, total_params  # noqa: E402
+from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, replace, total_params  # noqa: E402
 
 
 @dataclass
@@ -41,6 +48,7 @@ class Plan:
     valid: bool
     reason: str
     recompute: Optional[str] = None  # None or "full_cp_aware" (cp_ext's full recompute)
+    comm_type: Optional[str] = None  # None (Ulysses x ring, U from _fold) or "all_gather"
     memory: dict = field(default_factory=dict)
     comm_per_layer: dict = field(default_factory=dict)
     comm_seconds: float = 0.0
@@ -51,21 +59,31 @@ def divisors(n: int) -> List[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str) -> dict:
+def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type: Optional[str] = None) -> dict:
     """Bytes sent per rank per layer (forward + backward) by collective."""
     hk_local = max(1, m.kv_heads // g.tp)
     cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=hk_local, s=s, d=m.head_dim, cp=g.cp,
-                                  ulysses=g.ulysses, dtype=dtype)
+                                  ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
     tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
     ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
     both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
-    return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]), "ep": both(ep)}
+    return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]),
+            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]), "ep": both(ep)}
+
+
+# --cp-comm-types: Megatron's names; "a2a+p2p" is cp_ext's default Ulysses x ring (U picked per layout).
+COMM_TYPES = {"a2a+p2p": None, "all_gather": "all_gather"}
 
 
 def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_per_node: int, nodes: int,
          micro_batch: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
-         intra_gbps: float = 300.0, inter_gbps: float = 25.0, headroom: float = 0.9) -> List[Plan]:
-    """Every TP x PP x CP x DP layout of nodes x gpus_per_node GPUs, valid or not, ranked."""
+         intra_gbps: float = 300.0, inter_gbps: float = 25.0, headroom: float = 0.9,
+         cp_comm_types=(None,)) -> List[Plan]:
+    """Every TP x PP x CP x DP layout of nodes x gpus_per_node GPUs, valid or not, ranked.
+
+    ``cp_comm_types``: the CP attentions to plan each CP > 1 layout with (None: Ulysses x ring,
+    ``"all_gather"``: all-gather attention); CP = 1 layouts are planned once.
+    """
     world = gpus_per_node * nodes
     plans: List[Plan] = []
     budget = gpu_memory * headroom
@@ -79,24 +97,27 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
                 if reason:
                     plans.append(Plan(g, False, reason))
                     continue
-                g = _fold(m, g, gpus_per_node)
+                folded = _fold(m, g, gpus_per_node)
                 micro = global_batch // (dp * micro_batch)
-                best = None
-                for recompute in (None, "full_cp_aware"):
-                    mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
-                                      recompute=recompute, microbatches=micro)
-                    best = (recompute, mem)
-                    if mem["total"] <= budget:
-                        break
-                recompute, mem = best
-                per_layer = layer_comm(m, g, s=s, b=micro_batch, dtype=dtype)
-                secs = _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) * (m.layers // pp) * micro
-                bubble = (pp - 1) / (micro + pp - 1)
-                fits = mem["total"] <= budget
-                why = (f"fits: {mem['total'] / GiB:.1f} GiB <= {budget / GiB:.1f} GiB ({headroom:.0%} of {gpu_memory / GiB:.0f})"
-                       + (", needs full recompute" if recompute else "")
-                       if fits else f"does not fit: {mem['total'] / GiB:.1f} GiB > {budget / GiB:.1f} GiB even with full recompute")
-                plans.append(Plan(g, fits, why, recompute, mem, per_layer, secs, bubble))
+                for comm_type in (cp_comm_types if cp > 1 else (None,)):
+                    # all-gather attention spans the whole CP group: no Ulysses sub-groups
+                    g = folded if comm_type is None else replace(folded, ulysses=1)
+                    best = None
+                    for recompute in (None, "full_cp_aware"):
+                        mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
+                                          recompute=recompute, microbatches=micro, cp_comm_type=comm_type)
+                        best = (recompute, mem)
+                        if mem["total"] <= budget:
+                            break
+                    recompute, mem = best
+                    per_layer = layer_comm(m, g, s=s, b=micro_batch, dtype=dtype, comm_type=comm_type)
+                    secs = _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) * (m.layers // pp) * micro
+                    bubble = (pp - 1) / (micro + pp - 1)
+                    fits = mem["total"] <= budget
+                    why = (f"fits: {mem['total'] / GiB:.1f} GiB <= {budget / GiB:.1f} GiB ({headroom:.0%} of {gpu_memory / GiB:.0f})"
+                           + (", needs full recompute" if recompute else "")
+                           if fits else f"does not fit: {mem['total'] / GiB:.1f} GiB > {budget / GiB:.1f} GiB even with full recompute")
+                    plans.append(Plan(g, fits, why, recompute, comm_type, mem, per_layer, secs, bubble))
     valid = sorted((p for p in plans if p.valid), key=lambda p: (p.recompute is not None, round(p.comm_seconds * (1 + p.bubble), 6), p.grid.pp))
     return valid + [p for p in plans if not p.valid]
 
@@ -131,11 +152,13 @@ def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
     """Per-layer seconds if nothing overlapped: each collective over NVLink when its group fits a node."""
     bw = lambda span: (intra_gbps if span <= gpus_per_node else inter_gbps) * 1e9  # noqa: E731
     return (per_layer["tp"] / bw(g.tp) + per_layer["cp_ulysses"] / bw(g.tp * g.ulysses)
-            + per_layer["cp_ring"] / bw(g.tp * g.cp) + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
+            + (per_layer["cp_ring"] + per_layer.get("cp_all_gather", 0)) / bw(g.tp * g.cp)
+            + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
 
 
-def _fmt_grid(g: Grid) -> str:
-    return f"TP{g.tp} PP{g.pp} CP{g.cp}(U{g.ulysses}xR{g.cp // g.ulysses}) DP{g.dp} EP{g.ep}"
+def _fmt_grid(g: Grid, comm_type: Optional[str] = None) -> str:
+    cp = "AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}"
+    return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}"
 
 
 def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
@@ -160,6 +183,9 @@ def main(argv=None):
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU inside a node (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (IB)")
+    p.add_argument("--cp-comm-types", nargs="+", choices=list(COMM_TYPES), default=["a2a+p2p"],
+                   help="CP attention(s) to plan CP > 1 layouts with: a2a+p2p (Ulysses x ring, U picked per layout; "
+                        "the default) and/or all_gather (K/V all-gathered: transient full-sequence K/V per rank)")
     p.add_argument("--top", type=int, default=10, help="valid layouts to print")
     p.add_argument("--show-invalid", action="store_true", help="also list the excluded layouts and why")
     p.add_argument("--kv-arithmetic", action="store_true", help="print the textbook KV-cache arithmetic and exit")
@@ -195,21 +221,24 @@ def main(argv=None):
     plans = plan(m, s=args.seq_length, global_batch=args.global_batch, gpu_memory=args.gpu_memory_gib * gib,
                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, micro_batch=args.micro_batch, dtype=args.dtype,
                  distributed_optimizer=not args.no_distributed_optimizer, intra_gbps=args.intra_node_gbps,
-                 inter_gbps=args.inter_node_gbps)
+                 inter_gbps=args.inter_node_gbps, cp_comm_types=tuple(COMM_TYPES[c] for c in args.cp_comm_types))
     valid = [p_ for p_ in plans if p_.valid]
     print(f"{len(valid)} of {len(plans)} layouts of {world} GPUs fit; best first (GiB per rank; comm MiB per layer fwd+bwd):")
     print(f"{'#':>3s} {'layout':34s} {'weights':>8s} {'grads':>6s} {'optim':>6s} {'activ':>7s} {'(KV+LSE)':>9s} {'total':>7s} "
-          f"{'TP':>7s} {'ring':>7s} {'a2a':>7s} {'EP':>7s} {'comm s':>7s} {'bubble':>6s}  reason")
+          f"{'TP':>7s} {'ring':>7s} {'a2a':>7s} {'AG':>7s} {'EP':>7s} {'comm s':>7s} {'bubble':>6s}  reason")
     for i, pl in enumerate(valid[:args.top], 1):
         mm, c = pl.memory, pl.comm_per_layer
-        print(f"{i:>3d} {_fmt_grid(pl.grid):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} {mm['optimizer'] / gib:6.2f} "
-              f"{mm['activations'] / gib:7.2f} {mm['kv_state'] / gib:9.2f} {mm['total'] / gib:7.2f} "
-              f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
-              f"{pl.comm_seconds:7.3f} {pl.bubble:6.2f}  {pl.reason}")
+        transient = (f" (all-gather transient {mm['attention_transient'] / gib:.2f} GiB in activ)"
+                     if pl.comm_type == "all_gather" else "")
+        print(f"{i:>3d} {_fmt_grid(pl.grid, pl.comm_type):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} "
+              f"{mm['optimizer'] / gib:6.2f} {mm['activations'] / gib:7.2f} {mm['kv_state'] / gib:9.2f} {mm['total'] / gib:7.2f} "
+              f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} "
+              f"{c['cp_all_gather'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
+              f"{pl.comm_seconds:7.3f} {pl.bubble:6.2f}  {pl.reason}{transient}")
     if args.show_invalid or not valid:
         for pl in plans:
             if not pl.valid:
-                print(f"    excluded {_fmt_grid(pl.grid):34s} {pl.reason}")
+                print(f"    excluded {_fmt_grid(pl.grid, pl.comm_type):34s} {pl.reason}")
     return 0 if valid else 1
 
 

@@ -22,6 +22,16 @@ when hk < U (none otherwise):
 Hybrid (`cp_ext.attention.hybrid`), C = U x R: Ulysses on the s/C-token shard, then the ring
 over R ranks on s/R tokens with h/U query heads and hk'/U KV heads.
 
+All-gather (`cp_ext.attention.all_gather`), C ranks: K/V all-gathered in the forward and again
+in the backward (each rank sends its block to the C-1 others), then the full-sequence dK/dV
+(fp32 accumulator) reduce-scattered, each rank sending the C-1 blocks it does not own:
+
+    all_gather_kv     : forward (C-1) x KV, backward (C-1) x KV       KV  = 2 b hk s_local d e
+    reduce_scatter_dkv: backward (C-1) x dKV                          dKV = 2 b hk s_local d acc
+
+(counted at the call sites as a ring implementation of the collective sends them; packed
+documents change none of it: every rank still needs every block).
+
 Tensor parallelism, t ranks, per layer (activations [s/C, b, hidden]): with sequence
 parallelism 2 all-gathers + 2 reduce-scatters forward and the same backward, each sends
 (t-1)/t x s/C b hidden e; without it 2 all-reduces forward and 2 backward, each 2(t-1)/t of that.
@@ -32,7 +42,7 @@ tokens = s/C x b / t the tokens one rank routes (after sequence parallelism).
 """
 
 import math
-from typing import Dict
+from typing import Dict, Optional
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -70,11 +80,28 @@ def ulysses_bytes(*, b: int, h: int, hk: int, s_local: int, d: int, ulysses: int
     return {"fwd": fwd, "bwd": fwd}
 
 
-def cp_attention_bytes(*, b: int, h: int, hk: int, s: int, d: int, cp: int, ulysses: int, dtype: str) -> Dict[str, Dict[str, int]]:
-    """Bytes per rank by collective for one CP attention call (ring, Ulysses or the hybrid).
+def all_gather_bytes(*, b: int, hk: int, s_local: int, d: int, cp: int, dtype: str) -> Dict[str, Dict[str, int]]:
+    """All-gather attention bytes sent per rank for one call on ``cp`` ranks, by collective."""
+    if cp <= 1:
+        return {"all_gather_kv": {"fwd": 0, "bwd": 0}, "reduce_scatter_dkv": {"fwd": 0, "bwd": 0}}
+    kv = 2 * b * hk * s_local * d * DTYPE_BYTES[dtype]
+    dkv = 2 * b * hk * s_local * d * acc_bytes(dtype)
+    return {"all_gather_kv": {"fwd": (cp - 1) * kv, "bwd": (cp - 1) * kv},
+            "reduce_scatter_dkv": {"fwd": 0, "bwd": (cp - 1) * dkv}}
 
-    ``s`` is the global sequence length; C = cp = ulysses x ring.
+
+def cp_attention_bytes(*, b: int, h: int, hk: int, s: int, d: int, cp: int, ulysses: int, dtype: str,
+                       comm_type: Optional[str] = None) -> Dict[str, Dict[str, int]]:
+    """Bytes per rank by collective for one CP attention call (ring, Ulysses or the hybrid; with
+    ``comm_type="all_gather"`` the all-gather attention over all ``cp`` ranks, ``ulysses`` unused).
+
+    ``s`` is the global sequence length; C = cp = ulysses x ring. Every collective is a key,
+    zero where the variant does not use it.
     """
+    none = {"fwd": 0, "bwd": 0}
+    if comm_type == "all_gather":
+        return {"ring_p2p": dict(none), "ulysses_a2a": dict(none),
+                **all_gather_bytes(b=b, hk=hk, s_local=s // cp, d=d, cp=cp, dtype=dtype)}
     if cp % ulysses:
         raise ValueError(f"ulysses size {ulysses} does not divide CP size {cp}")
     ring = cp // ulysses
@@ -82,7 +109,7 @@ def cp_attention_bytes(*, b: int, h: int, hk: int, s: int, d: int, cp: int, ulys
     a2a = ulysses_bytes(b=b, h=h, hk=hk, s_local=s_local, d=d, ulysses=ulysses, dtype=dtype)
     hk_ring = hk * kv_replicas(h, hk, ulysses) // ulysses if ulysses > 1 else hk
     p2p = ring_bytes(b=b, hk=hk_ring, s_local=s // ring, d=d, ring=ring, dtype=dtype)
-    return {"ring_p2p": p2p, "ulysses_a2a": a2a}
+    return {"ring_p2p": p2p, "ulysses_a2a": a2a, "all_gather_kv": dict(none), "reduce_scatter_dkv": dict(none)}
 
 
 def tp_layer_bytes(*, b: int, s: int, hidden: int, tp: int, cp: int = 1, sequence_parallel: bool = True,

@@ -37,6 +37,24 @@ layer's attention output and LSE (h + a fp32 per token, /t). Measured with tools
 --modes none full full-cp-aware. Under 1F1B the first pipeline stage holds p microbatches
 of L/p layers, i.e. L layers' worth.
 
+All-gather attention (``cp_comm_type="all_gather"``, `cp_ext.attention.all_gather`) holds,
+inside each attention call only, the whole sequence's K/V on every rank (``[2, b, g/t, s, d]``
+in the activation dtype) in the forward, and in the backward that gathered K/V again plus the
+full-sequence dK/dV in fp32 before the reduce-scatter (``all_gather_transient_bytes``). It is
+never saved for backward and is freed when the call returns, so it adds to the peak once, not
+per layer, and only by what exceeds the saved activations freed before the last layer's
+attention backward runs (the logits' activations and that layer's post-attention part:
+linear_proj input, second norm, MLP/MoE)::
+
+    peak = max(peak without it, saved at the last attention backward + transient)
+
+Measured with tools/measure_memory.py --cp-comm-types default all_gather (the call's own
+allocations, hooked, next to this model). This is the design's minimum, and today's call holds
+more: 36 MiB against 16 MiB modelled (2 layers, hidden 512, MHA, s 2048, CP2, fp32), because
+its forward keeps the rank-order gathered buffer and a reshaped copy next to the global-order
+K/V, and its backward keeps full-width tile dK/dV and two reordered copies of the fp32 dK/dV
+(`cp_ext.attention.all_gather`); the planner's all_gather peak is low by as much until then.
+
 Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequence
 (fp16/bf16: 2 bytes), split by t (KV heads) and c (tokens); the LSE is ``L a s`` fp32.
 7B (MHA, L=32, h=4096) at 128K: 2 x 32 x 4096 x 131072 x 2 B = 64 GiB; 70B taken as MHA
@@ -128,7 +146,12 @@ def layer_activation_elems(m: ModelShape, *, tp: int = 1, cp: int = 1, sequence_
         # measured: tools/measure_memory.py --verbose on a 4-expert top-2 model)
         act += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
     fp32 = 2 / sp + a / tp  # rstd x 2, LSE
-    return {"act": act, "fp32": fp32}
+    # Of these, what a layer saves after its attention call (freed by the time the backward
+    # reaches that attention): linear_proj's input, the second norm's in/out and rstd, the MLP / MoE.
+    post = 2 * h / sp + h / tp + mlp / tp
+    if m.experts:
+        post += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
+    return {"act": act, "fp32": fp32, "post_act": post, "post_fp32": 1 / sp}
 
 
 def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = True) -> float:
@@ -137,21 +160,47 @@ def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = Tru
 
 
 RECOMPUTE_MODES = (None, "full", "full_cp_aware")
+# Megatron's --cp-comm-type names; None is cp_ext's default (the attention the CP groups pick:
+# ring, Ulysses or the hybrid). Only all_gather holds more than its shard.
+CP_COMM_TYPES = (None, "p2p", "a2a", "a2a+p2p", "all_gather")
+
+
+def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1,
+                               dtype: str = "bf16") -> Dict[str, float]:
+    """Bytes one all-gather attention call holds on a rank while it runs (0 at CP = 1).
+
+    forward: the gathered K/V ``[2, b, g/t, s, d]`` in the activation dtype; backward: the same
+    again plus the full-sequence dK/dV in fp32 before the reduce-scatter. ``peak`` is the larger.
+    """
+    if cp <= 1:
+        return {"fwd": 0.0, "bwd": 0.0, "peak": 0.0}
+    e = 4 if dtype == "fp32" else 2
+    kv = 2 * b * max(1, m.kv_heads // tp) * s * m.head_dim
+    fwd, bwd = kv * e, kv * e + kv * 4
+    return {"fwd": float(fwd), "bwd": float(bwd), "peak": float(max(fwd, bwd))}
 
 
 def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                      dtype: str = "bf16", recompute=None, sequence_parallel: bool = True,
-                     microbatches_in_flight: Optional[int] = None) -> Dict[str, float]:
+                     microbatches_in_flight: Optional[int] = None, cp_comm_type: Optional[str] = None
+                     ) -> Dict[str, float]:
     """Per-rank activation bytes of one training step (first pipeline stage, the largest).
 
     ``recompute``: None (keep everything), ``"full"`` (megatron's full recompute, one layer per
     checkpoint) or ``"full_cp_aware"`` (full, keeping each layer's attention output and LSE:
     cp_ext's default under full recompute). ``True`` means ``"full_cp_aware"``.
+    ``cp_comm_type``: None (today's ring / Ulysses / hybrid) or a `CP_COMM_TYPES` name;
+    ``"all_gather"`` adds its transient K/V where it raises the peak (module docstring);
+    ``"attention_transient"`` is what one call holds.
     """
     if recompute is True:
         recompute = "full_cp_aware"
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
+    transient = (all_gather_transient_bytes(m, s=s, b=b, tp=tp, cp=cp, dtype=dtype)["peak"]
+                 if cp_comm_type == "all_gather" else 0.0)
     e = 4 if dtype == "fp32" else 2
     tokens = s * b / cp
     per_layer = layer_activation_elems(m, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
@@ -161,9 +210,14 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     sp = tp if sequence_parallel else 1
     # outside the layers: embedding output, final norm in/out (3h), logits (V / t), tokens
     vocab_part = tokens * (3 * m.hidden / sp * e + m.vocab / tp * 4 + 4)
+    # saved after a layer's attention call: freed before the backward reaches that attention
+    post_attention = tokens * (per_layer["post_act"] * e + per_layer["post_fp32"] * 4)
     if recompute is None:
         layers_bytes = stage_layers * in_flight * layer_bytes
-        return {"layers": layers_bytes, "embedding+logits": vocab_part, "total": layers_bytes + vocab_part}
+        # the transient peaks in the last layer's attention backward: the logits are freed by then
+        total = max(layers_bytes + vocab_part, layers_bytes - post_attention + transient)
+        return {"layers": layers_bytes, "embedding+logits": vocab_part, "attention_transient": transient,
+                "total": total}
     # Full recompute keeps each layer's input (the checkpoint) and, CP-aware, its attention
     # output (h / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
     # one layer at a time, while that layer is recomputed in backward; by then the logits'
@@ -173,8 +227,11 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     layer_input = tokens * m.hidden * e / sp
     kept = tokens * (m.hidden * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
     held = stage_layers * in_flight * (layer_input + kept)
-    working = max(layer_bytes - layer_input - kept, vocab_part)
-    return {"layers": held + layer_bytes - layer_input - kept, "embedding+logits": vocab_part, "total": held + working}
+    recomputed = layer_bytes - layer_input - kept
+    # the transient peaks in the recomputed layer's attention backward, on top of its pre-attention part
+    working = max(recomputed, vocab_part, recomputed - post_attention + transient)
+    return {"layers": held + recomputed, "embedding+logits": vocab_part, "attention_transient": transient,
+            "total": held + working}
 
 
 def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, dtype: str = "bf16",
@@ -224,19 +281,21 @@ def weight_bytes(m: ModelShape, grid: Grid, *, dtype: str = "bf16", distributed_
 
 
 def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
-                recompute=None, microbatches: int = 1) -> Dict[str, float]:
-    """The per-rank estimate: weights, grads, optimizer, activations, attention state and total bytes."""
+                recompute=None, microbatches: int = 1, cp_comm_type: Optional[str] = None) -> Dict[str, float]:
+    """The per-rank estimate: weights, grads, optimizer, activations, attention state and total bytes
+    (``cp_comm_type`` as in `activation_bytes`; the all-gather transient is inside "activations")."""
     w = weight_bytes(m, grid, dtype=dtype, distributed_optimizer=distributed_optimizer)
     act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,
-                           microbatches_in_flight=min(grid.pp, microbatches))
+                           microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type)
     kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype)
     out = {"params": w["params"], "weights": w["weights"], "grads": w["grads"], "optimizer": w["optimizer"],
-           "activations": act["total"], "kv_state": kv["total"]}
+           "activations": act["total"], "kv_state": kv["total"], "attention_transient": act["attention_transient"]}
     # The KV state is part of the saved activations (K, V and LSE are saved for backward): not added again.
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
     return out
 
 
-__all__ = ["GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "bytes_per_param", "korthikanti_layer_bytes",
+__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "all_gather_transient_bytes",
+           "bytes_per_param", "korthikanti_layer_bytes",
            "kv_state_bytes", "layer_activation_elems", "params_per_layer", "rank_memory", "replace", "total_params",
            "weight_bytes"]

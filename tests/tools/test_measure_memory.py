@@ -1,6 +1,8 @@
 """tools/measure_memory.py: the Trainer's peak saved-for-backward bytes at CP=1 and CP=2 on an
 attention-heavy CPU config, without recompute and with full recompute (plain and CP-aware):
-the per-rank ratio bound, and the planner's estimate of the same config within 15%."""
+the per-rank ratio bound, and the planner's estimate of the same config within 15%; with
+all-gather attention, the transient the call holds is measured and the peak it gives is the
+planner's within the same 15%."""
 
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 import measure_memory  # noqa: E402
-from cp_ext.perf.memory import ModelShape, activation_bytes  # noqa: E402
+from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes  # noqa: E402
 
 FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
@@ -65,3 +67,29 @@ def test_recompute_per_rank_activations_split_and_match_the_planner(measured, me
     # CP-aware keeps attention outputs (and only then); plain keeps none
     assert kept["full"] == 0 and kept["full-cp-aware"] > 0
     assert measured_recompute["full-cp-aware"][0][0]["cp_aware_recompute"] is True
+
+
+@pytest.fixture(scope="module")
+def measured_all_gather(measured):
+    """The same CP=2 run with every layer's attention all-gathering K/V (CP=1 reused)."""
+    return measure_memory.compare(2, FLAGS, comm_type="all_gather", base=measured[0])
+
+
+def test_all_gather_transient_measured_and_planned(measured, measured_all_gather):
+    _, ring, _ = measured
+    base, split, ratio = measured_all_gather
+    assert base is measured[0] and ratio <= 1.15 / 2  # the saved activations still split
+    assert all(r["cp_comm_type"] == "default" and r["transient_peak_bytes"] == 0 for r in ring)
+    model = all_gather_transient_bytes(SHAPE, s=2048, cp=2, dtype="fp32")["peak"]  # gathered K/V + fp32 dK/dV
+    for r, d in zip(split, ring):
+        assert r["cp_comm_type"] == "all_gather" and r["lm_loss"] == pytest.approx(d["lm_loss"], rel=1e-5)
+        # saved for backward: the same tensors as the ring's; the transient is what the call held
+        assert r["activation_bytes"] == pytest.approx(d["activation_bytes"], rel=0.01)
+        assert r["transient_peak_bytes"] >= model, (r["transient_peak_bytes"], model)
+        est = measure_memory.planner_estimate(r, FLAGS, "none")
+        assert est == activation_bytes(SHAPE, s=2048, cp=2, dtype="fp32", cp_comm_type="all_gather")["total"]
+        assert abs(est - measure_memory.peak(r)) <= 0.15 * measure_memory.peak(r), (est, r)
+        # what all-gather adds to the peak, measured (over the ring's run) and modelled, within the same 15%
+        extra = measure_memory.peak(r) - measure_memory.peak(d)
+        extra_model = est - measure_memory.planner_estimate(d, FLAGS, "none")
+        assert abs(extra - extra_model) <= 0.15 * measure_memory.peak(r), (extra, extra_model)

@@ -12,8 +12,8 @@ sys.path.insert(0, str(ROOT))
 import plan_parallelism as planner  # noqa: E402
 from cp_ext.perf import comm  # noqa: E402
 from cp_ext.perf.memory import (  # noqa: E402
-    GiB, PRESETS, Grid, ModelShape, activation_bytes, bytes_per_param, kv_state_bytes, params_per_layer, rank_memory,
-    total_params, weight_bytes,
+    GiB, PRESETS, Grid, ModelShape, activation_bytes, all_gather_transient_bytes, bytes_per_param, kv_state_bytes,
+    params_per_layer, rank_memory, total_params, weight_bytes,
 )
 
 
@@ -101,6 +101,78 @@ def test_comm_formulas_by_hand():
     # TP with SP: 4 x (t-1)/t x sbh each way; EP: dispatch + combine each way
     assert comm.tp_layer_bytes(b=1, s=4096, hidden=1024, tp=4, dtype="bf16")["fwd"] == 4 * 4096 * 1024 * 2 * 3 // 4
     assert comm.ep_layer_bytes(b=1, s=4096, hidden=1024, topk=2, ep=4, tp=2, dtype="bf16")["bwd"] == 2 * (2048 * 2 * 1024 * 2 * 3 // 4)
+
+
+def test_all_gather_transient_by_hand():
+    m = ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384)
+    # [2, b, hk/TP, s, d] gathered K/V in the activation dtype; backward adds the fp32 dK/dV
+    kv = 2 * 4 * 4096 * 16
+    assert all_gather_transient_bytes(m, s=4096, cp=8, dtype="fp32") == {"fwd": kv * 4, "bwd": kv * 8, "peak": kv * 8}
+    assert all_gather_transient_bytes(m, s=4096, cp=8, dtype="bf16")["peak"] == kv * (2 + 4)
+    assert all_gather_transient_bytes(m, s=4096, tp=2, cp=8, dtype="bf16")["peak"] == kv * 6 / 2  # KV heads / TP
+    assert all_gather_transient_bytes(m, s=4096, cp=1)["peak"] == 0
+    # today's behaviour by default, and every Megatron name but all_gather leaves it alone
+    base = activation_bytes(m, s=4096, cp=8, dtype="fp32")
+    for name in (None, "p2p", "a2a", "a2a+p2p"):
+        assert activation_bytes(m, s=4096, cp=8, dtype="fp32", cp_comm_type=name) == {**base, "attention_transient": 0.0}
+    with pytest.raises(ValueError):
+        activation_bytes(m, s=4096, cp=8, cp_comm_type="allgather")
+    # CP8, 512 tokens per rank: the transient exceeds what is freed before the last layer's attention
+    # backward (logits + that layer's post-attention part: linear_proj input h, norm 2h + rstd, MLP 5f),
+    # so it sets the peak: saved layers - post-attention + transient
+    ag = activation_bytes(m, s=4096, cp=8, dtype="fp32", cp_comm_type="all_gather")
+    per_layer = (5 * 64 + 5 * 64 + 3 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4  # + h: CP keeps its output apart
+    layers = 2 * 512 * per_layer
+    post = 512 * ((2 * 64 + 64 + 5 * 128) * 4 + 4)
+    assert base["total"] == layers + 512 * (3 * 64 * 4 + 384 * 4 + 4)
+    assert ag["attention_transient"] == kv * 8 and ag["total"] == layers - post + kv * 8 > base["total"]
+    # CP2: the same transient hides under the logits and the post-attention activations: no change
+    assert activation_bytes(m, s=4096, cp=2, dtype="fp32", cp_comm_type="all_gather")["total"] == \
+        activation_bytes(m, s=4096, cp=2, dtype="fp32")["total"]
+    # full recompute: on top of the recomputed layer's pre-attention part
+    for mode in ("full", "full_cp_aware"):
+        plain = activation_bytes(m, s=4096, cp=8, dtype="fp32", recompute=mode)
+        agr = activation_bytes(m, s=4096, cp=8, dtype="fp32", recompute=mode, cp_comm_type="all_gather")
+        # plain["layers"] = the held checkpoints + the recomputed layer's activations
+        assert agr["total"] == max(plain["total"], plain["layers"] - post + kv * 8) > plain["total"]
+
+
+def test_all_gather_comm_formula_by_hand():
+    kv = 2 * 1 * 2 * 64 * 16 * 4  # [2, b, hk, s_local, d] fp32
+    ag = comm.cp_attention_bytes(b=1, h=4, hk=2, s=256, d=16, cp=4, ulysses=1, dtype="fp32", comm_type="all_gather")
+    assert ag["all_gather_kv"] == {"fwd": 3 * kv, "bwd": 3 * kv}  # forward and backward gather
+    assert ag["reduce_scatter_dkv"] == {"fwd": 0, "bwd": 3 * kv}  # fp32 accumulator, C-1 blocks leave
+    assert ag["ring_p2p"] == ag["ulysses_a2a"] == {"fwd": 0, "bwd": 0}
+    bf = comm.all_gather_bytes(b=1, hk=2, s_local=64, d=16, cp=4, dtype="bf16")
+    assert bf["all_gather_kv"]["fwd"] == 3 * kv // 2 and bf["reduce_scatter_dkv"]["bwd"] == 3 * kv
+    ring = comm.cp_attention_bytes(b=1, h=4, hk=2, s=256, d=16, cp=4, ulysses=1, dtype="fp32")
+    assert ring["all_gather_kv"] == ring["reduce_scatter_dkv"] == {"fwd": 0, "bwd": 0} and ring["ring_p2p"]["fwd"] == 3 * kv
+
+
+def test_planner_ranks_all_gather_layouts_when_asked(capsys):
+    m = ModelShape(layers=6, hidden=1024, heads=12, kv_heads=4, ffn=4096, vocab=32000)
+    kw = dict(s=12288, global_batch=6, gpu_memory=24 * GiB, gpus_per_node=4, nodes=2)
+    default = planner.plan(m, **kw)
+    both = planner.plan(m, **kw, cp_comm_types=(None, "all_gather"))
+    ag = [p for p in both if p.comm_type == "all_gather"]
+    # one more plan per valid CP > 1 layout, none at CP = 1; the default plans are unchanged
+    assert len(both) == len(default) + sum(1 for p in default if p.grid.cp > 1 and p.memory)
+    assert ag and all(p.grid.cp > 1 and p.grid.ulysses == 1 for p in ag)
+    assert [p for p in both if p.comm_type is None] == default
+    for p in ag:
+        g = p.grid
+        assert p.memory == rank_memory(m, g, s=12288, recompute=p.recompute, microbatches=6 // g.dp,
+                                       cp_comm_type="all_gather")
+        cpb = comm.cp_attention_bytes(b=1, h=12 // g.tp, hk=max(1, 4 // g.tp), s=12288, d=1024 // 12, cp=g.cp,
+                                      ulysses=1, dtype="bf16", comm_type="all_gather")
+        assert p.comm_per_layer["cp_all_gather"] == sum(cpb["all_gather_kv"].values()) + cpb["reduce_scatter_dkv"]["bwd"]
+        assert p.comm_per_layer["cp_ring"] == p.comm_per_layer["cp_ulysses"] == 0
+    assert planner.main(["--layers", "6", "--hidden", "1024", "--heads", "12", "--kv-heads", "4", "--ffn", "4096",
+                         "--vocab", "32000", "--seq-length", "12288", "--global-batch", "6", "--gpu-memory-gib", "24",
+                         "--gpus-per-node", "4", "--nodes", "2", "--cp-comm-types", "a2a+p2p", "all_gather",
+                         "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "(AG)" in out and "all-gather transient" in out and "(U1xR" in out
 
 
 def test_small_model_layouts_ranked_and_invalid_excluded_with_reason():
