@@ -208,23 +208,8 @@ def track_all_gather_transient(saved):
             setattr(module, name, tracked(getattr(all_gather, name)))
 
 
-def set_cp_comm_type(model, comm_type):
-    """Every layer's core attention uses ``comm_type`` (what ``--cp-comm-type`` does per layer);
-    returns the types the layers use, sorted ("default": the CP groups decide)."""
-    from cp_ext.transformer.attention import CoreAttention
-
-    layers = [m for m in model.modules() if isinstance(m, CoreAttention)]
-    if comm_type is not None:
-        for m in layers:
-            m.cp_comm_type = comm_type
-    return sorted({m.cp_comm_type or "default" for m in layers})
-
-
-def measure(trainer_flags, world_size, comm_type=None):
-    """Run one iteration of the Trainer under saved-tensor hooks; returns this rank's record.
-
-    ``comm_type="all_gather"``: every layer's CP attention all-gathers K/V (CP > 1 only).
-    """
+def measure(trainer_flags, world_size):
+    """Run one iteration of the Trainer under saved-tensor hooks; returns this rank's record."""
     import torch
 
     from cp_ext.arguments import parse_args
@@ -244,7 +229,6 @@ def measure(trainer_flags, world_size, comm_type=None):
         if getattr(p, "main_grad", None) is not None:
             param_ptrs.add(p.main_grad.untyped_storage().data_ptr())
     saved = LiveSavedBytes(param_ptrs)
-    comm_types = set_cp_comm_type(trainer.model[0], comm_type if args.context_parallel_size > 1 else None)
     track_all_gather_transient(saved)
     on_cuda = trainer.device.type == "cuda"
     if on_cuda:
@@ -271,7 +255,7 @@ def measure(trainer_flags, world_size, comm_type=None):
         "padded_vocab": trainer.padded_vocab_size,
         "recompute": args.recompute_granularity,
         "cp_aware_recompute": trainer.config.cp_aware_recompute,
-        "cp_comm_type": "+".join(comm_types),
+        "cp_comm_type": "+".join(sorted(set(args.cp_comm_types or ["default"]))),
         "activation_bytes": saved.peak,
         "kept_attention_bytes": saved.kept_at_peak,
         "activation_with_transient_bytes": saved.peak_with_transient,
@@ -293,7 +277,6 @@ def measure(trainer_flags, world_size, comm_type=None):
 def _worker(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--attention-comm-type", default=None)
     known, rest = p.parse_known_args(argv)
     import faulthandler
 
@@ -302,22 +285,25 @@ def _worker(argv):
     faulthandler.dump_traceback_later(int(os.environ.get("CP_EXT_MEASURE_TIMEOUT", "540")), exit=True)  # a hang shows where
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    record = measure(rest, world, known.attention_comm_type)
+    record = measure(rest, world)
     Path(known.out, f"rank{record['rank']}.json").write_text(json.dumps(record))
 
 
 def run(cp, trainer_flags, ulysses_size=None, timeout=600, comm_type=None):
     """Launch one measurement on `cp` ranks with --context-parallel-size cp; returns per-rank records.
 
-    ``comm_type``: None (the attention the CP groups pick) or ``"all_gather"``.
+    ``comm_type``: None (the attention the CP groups pick) or ``"all_gather"`` (``--cp-comm-type
+    all_gather``: every layer all-gathers K/V over the CP group, on the ring's layout).
     """
     out = Path(tempfile.mkdtemp(prefix="cp_ext_mem_"))
     flags = list(trainer_flags) + ["--context-parallel-size", str(cp)]
-    if ulysses_size and cp > 1:
+    all_gather = comm_type == "all_gather" and cp > 1
+    if all_gather:
+        flags += ["--cp-comm-type", "all_gather"]
+    elif ulysses_size and cp > 1:
         flags += ["--ulysses-size", str(ulysses_size)]
-    tool = ["--attention-comm-type", comm_type] if comm_type not in (None, "default") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), *tool, *flags]
+           str(Path(__file__).resolve()), "--worker", "--out", str(out), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     # A session of its own, so a timeout kills torchrun *and* its ranks (no orphans).

@@ -1,16 +1,19 @@
 """All-gather-KV attention (TE's ``cp_comm_type="all_gather"``, Llama 3's long-context recipe).
 
-Every rank of the group all-gathers K and V (one collective, forward), puts them in global
-sequence order, and computes its local queries against the whole sequence; the backward
-gathers K/V again (the gathered copy is not kept between forward and backward) and
-reduce-scatters the full-sequence dK/dV back to their owners. There is no ring, so any mask
-is simple: each local query run ``[p0, p1)`` (a contiguous range of global positions) is one
-full tile against the keys before it and one causal square against itself::
+Every rank of the group all-gathers K and V (one collective, forward) and computes its local
+queries against the whole sequence; the backward gathers K/V again (the gathered copy is not
+kept between forward and backward) and reduce-scatters the full-sequence dK/dV back to their
+owners. The gathered K/V stays in rank order, sequence first (``[C*s, 2, b, hk, d]``: what the
+all-gather writes, and what the reduce-scatter reads), so nothing is copied into sequence
+order. There is no ring, so any mask is simple: each run of consecutive positions this rank
+holds (a zigzag chunk, or two adjacent ones) meets each run of the other ranks as a full tile
+when those keys come first, and itself as a causal square::
 
-    zigzag, C = 2, 4 chunks; rank 0 holds q chunks (0, 3):
-    chunk 0:  K[0:c]  causal square                       (no keys before it)
-    chunk 3:  K[0:3c] full  +  K[3c:4c] causal square
-    rank 1 (chunks 1, 2): c + 2c full rows, two squares   -> the same work as rank 0
+    zigzag, C = 2, 4 chunks of c; rank 0 holds chunks (0, 3), rank 1 chunks (1, 2) = one run:
+    rank 0, chunk 0:      chunk 0 causal square                         c^2/2
+            chunk 3:      chunk 0 full, chunks 1-2 full, chunk 3 square c^2 + 2c^2 + c^2/2
+    rank 1, chunks 1-2:   chunk 0 full, chunks 1-2 square               2c^2 + 2c^2
+    -> 4 c^2 query-key pairs on each rank
 
 so the zigzag layout balances the causal work as it does for the ring. Packed documents
 (``document_ids``) turn each tile into its segments (`cp_ext.attention.documents`): a query
@@ -19,8 +22,9 @@ rank holds are all-gathered with K/V, so the same function serves a ring layout 
 Ulysses x ring one (``--cp-comm-type`` lists mixing ``all_gather`` with another type).
 
 Cost per rank: one all-gather of (C-1)/C of the sequence's K/V forward and backward, and a
-reduce-scatter of dK/dV; the transient full-sequence K/V (and, in the backward, its fp32
-dK/dV) live only inside the call.
+reduce-scatter of dK/dV. Memory: the gathered K/V (one full-sequence copy in the input dtype)
+lives only inside the forward call; the backward holds it plus the fp32 full-sequence dK/dV
+until the reduce-scatter. Tiles are chunk-sized, so their temporaries are small.
 """
 
 from typing import List, Optional, Tuple
@@ -47,44 +51,50 @@ def _runs_of_positions(positions: List[int]) -> List[Tuple[int, int, int]]:
 
 
 class AllGatherPlan:
-    """The tiles of this rank: per local query run, (q rows, global key columns, causal, segments)."""
+    """This rank's tiles: (q rows, rows of the gathered K/V, diagonal?, segments or None).
+
+    The gathered K/V stays in *rank order* (what the all-gather gives: rank i's shard at rows
+    ``[i*s, (i+1)*s)``), so nothing is copied into sequence order. Each rank's shard is a few
+    runs of consecutive positions (2 zigzag chunks, or one block), and another rank's run lies
+    wholly before or after each of this rank's query runs; so a tile pairs one query run with
+    one key run: full when the keys come first, the causal square when it is the query run
+    itself, nothing when the keys come after (causal).
+    """
 
     def __init__(self, positions: torch.Tensor, group, causal: bool, document_ids=None):
-        size = dist.get_world_size(group)
+        size, me = dist.get_world_size(group), dist.get_rank(group)
         s = positions.numel()
         parts = [torch.empty_like(positions) for _ in range(size)]
         dist.all_gather(parts, positions.contiguous(), group=group)
-        self.order = torch.cat(parts)  # global position of each gathered row, in rank order
-        self.seq_len = self.order.numel()
-        mine = positions.tolist()
-        if sorted(mine) != mine:
+        parts = [p.tolist() for p in parts]
+        if sorted(parts[me]) != parts[me]:
             raise ValueError("all-gather attention needs each rank's tokens in increasing global order")
-        full_runs: Optional[Runs] = None
-        local_runs: Optional[Runs] = None
+        runs: List[Optional[Runs]] = [None] * size
         if document_ids is not None:
             ids = [torch.empty_like(document_ids) for _ in range(size)]
             dist.all_gather(ids, document_ids.contiguous(), group=group)
-            full_ids = torch.empty(document_ids.shape[0], self.seq_len, dtype=torch.int64)
-            full_ids[:, self.order.cpu()] = torch.cat(ids, dim=1).cpu().long()
-            # Every rank checks the whole sequence (same data, same verdict: all raise together).
-            full_runs = document_runs(full_ids, name="document_ids (whole sequence)")
-            local_runs = document_runs(document_ids)
+            ids = [x.cpu().long() for x in ids]
+            runs = [document_runs(x, name=f"document_ids (CP rank {i})") for i, x in enumerate(ids)]
+            # The whole sequence must be in order too: every rank checks it (same data, same verdict).
+            full = torch.empty(ids[0].shape[0], s * size, dtype=torch.int64)
+            full[:, torch.tensor(sum(parts, []))] = torch.cat(ids, dim=1)
+            document_runs(full, name="document_ids (whole sequence)")
         self.tiles = []
-        for r0, r1, p0 in _runs_of_positions(mine):
-            p1 = p0 + (r1 - r0)
-            rows = slice(r0, r1)
-            blocks = [(slice(0, p0), False), (slice(p0, p1), True)] if causal else [(slice(0, self.seq_len), False)]
-            for cols, diagonal in blocks:
-                if cols.stop <= cols.start:
-                    continue
-                segments = None
-                if document_ids is not None:
-                    q_runs = clip_runs(local_runs, rows, s)
-                    segments = (diagonal_segments(q_runs) if diagonal
-                                else tile_segments(q_runs, clip_runs(full_runs, cols, self.seq_len)))
-                    if not segments:
-                        continue
-                self.tiles.append((rows, cols, diagonal, segments))
+        for q0, q1, p0 in _runs_of_positions(parts[me]):
+            p1 = p0 + (q1 - q0)
+            q_runs = None if document_ids is None else clip_runs(runs[me], slice(q0, q1), s)
+            for rank in range(size):
+                for k0, k1, kp0 in _runs_of_positions(parts[rank]):
+                    diagonal = causal and rank == me and (k0, k1) == (q0, q1)
+                    if causal and not diagonal and kp0 >= p1:
+                        continue  # keys after the queries
+                    segments = None
+                    if document_ids is not None:
+                        segments = (diagonal_segments(q_runs) if diagonal
+                                    else tile_segments(q_runs, clip_runs(runs[rank], slice(k0, k1), s)))
+                        if not segments:
+                            continue
+                    self.tiles.append((slice(q0, q1), slice(rank * s + k0, rank * s + k1), diagonal, segments))
 
     def count(self):
         if WORK_COUNTER.enabled:
@@ -95,19 +105,28 @@ class AllGatherPlan:
                 WORK_COUNTER.add("pairs", dense if segments is None else segment_pairs(segments, diagonal))
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AllGatherPlan, group) -> torch.Tensor:
-    """[2, b, hk, S, d]: every rank's K/V, in global sequence order."""
-    size = dist.get_world_size(group)
-    kv = torch.stack([k, v])  # [2, b, hk, s, d]
-    gathered = torch.empty((size * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)  # ranks along dim 0
+# torch 2.13 renames the tensor collectives (*_into_tensor / *_tensor are deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's K/V, rank after rank: ``[C*s, 2, b, hk, d]`` (sequence first, so the
+    all-gather writes it in place and the kernel views need no copy)."""
+    size, rank, s = dist.get_world_size(group), dist.get_rank(group), k.shape[2]
+    gathered = k.new_empty((size * s, 2) + k.shape[:2] + k.shape[3:])
+    mine = gathered[rank * s : (rank + 1) * s]  # this rank's K/V go straight into their slot:
+    mine[:, 0].copy_(k.permute(2, 0, 1, 3))  # an in-place all-gather, no local staging copy
+    mine[:, 1].copy_(v.permute(2, 0, 1, 3))
     if COMM_COUNTER.enabled:
-        COMM_COUNTER.add("all_gather_kv", kv.nbytes * (size - 1))
-    dist.all_gather_into_tensor(gathered, kv.contiguous(), group=group)
-    # [C, 2, b, hk, s, d] -> [2, b, hk, C*s, d] (rank order) -> global order
-    by_rank = gathered.unflatten(0, (size, 2)).permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
-    full = torch.empty_like(by_rank)
-    full.index_copy_(3, plan.order.to(kv.device), by_rank)
-    return full
+        COMM_COUNTER.add("all_gather_kv", mine.nbytes * (size - 1))
+    _all_gather_single(gathered, mine, group=group)
+    return gathered
+
+
+def _kernel_view(kv_rows: torch.Tensor, which: int) -> torch.Tensor:
+    """Rows of the gathered ``[n, 2, b, hk, d]`` K (0) or V (1) as a kernel-layout [b, hk, n, d] view."""
+    return kv_rows[:, which].permute(1, 2, 0, 3)
 
 
 def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group, plan: AllGatherPlan,
@@ -116,46 +135,46 @@ def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, grou
     acc = accum_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    full = _gather_kv(k, v, plan, group)
+    kv = _gather_kv(k, v, group)
     plan.count()
     for rows, cols, diagonal, segments in plan.tiles:
-        args = (q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols])
+        args = (q[:, :, rows], _kernel_view(kv[cols], 0), _kernel_view(kv[cols], 1))
         if segments is None:
             o, l = kernel.forward(*args, causal=diagonal, scale=softmax_scale)
         else:
             o, l = kernel.forward_segments(*args, segments, causal=diagonal, scale=softmax_scale)
         update_out_and_lse(out, lse, o, l, rows)
-    del full  # the gathered K/V lives only inside the call
-    return out.to(q.dtype), lse
+        del o, l
+    return out.to(q.dtype), lse  # the gathered K/V is freed here: it lives only inside the call
 
 
 def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, group,
                              plan: AllGatherPlan, kernel: AttnKernel):
     """dq, dk, dv of `all_gather_attn_forward` (K/V gathered again, dK/dV reduce-scattered)."""
     acc = accum_dtype(q.dtype)
-    size = dist.get_world_size(group)
-    full = _gather_kv(k, v, plan, group)
+    kv = _gather_kv(k, v, group)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dfull = torch.zeros(full.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [C*s, 2, b, hk, d], rank order
+    args = None
     for rows, cols, diagonal, segments in plan.tiles:
-        args = (dout[:, :, rows], q[:, :, rows], full[0][:, :, cols], full[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows])
+        args = (dout[:, :, rows], q[:, :, rows], _kernel_view(kv[cols], 0), _kernel_view(kv[cols], 1),
+                out[:, :, rows], lse[:, :, rows])
         if segments is None:
             dq_t, dk_t, dv_t = kernel.backward(*args, causal=diagonal, scale=softmax_scale)
         else:
             dq_t, dk_t, dv_t = kernel.backward_segments(*args, segments, causal=diagonal, scale=softmax_scale)
         dq[:, :, rows] += dq_t
-        dfull[0][:, :, cols] += dk_t
-        dfull[1][:, :, cols] += dv_t
-    del full
-    # Back to rank order, one [2, b, hk, s, d] block per rank, and summed onto its owner.
-    by_rank = dfull.index_select(3, plan.order.to(q.device)).unflatten(3, (size, -1)).permute(3, 0, 1, 2, 4, 5)
-    del dfull
-    mine = torch.empty(by_rank.shape[1:], dtype=acc, device=q.device)
+        dkv[cols, 0] += dk_t.permute(2, 0, 1, 3)
+        dkv[cols, 1] += dv_t.permute(2, 0, 1, 3)
+        del dq_t, dk_t, dv_t  # before the next tile's kernel call allocates its own
+    del kv, args
+    # Rank i's rows of dK/dV, summed over the ranks, land on rank i: already in rank order.
+    mine = torch.empty((dkv.shape[0] // dist.get_world_size(group),) + dkv.shape[1:], dtype=acc, device=q.device)
     if COMM_COUNTER.enabled:
-        COMM_COUNTER.add("reduce_scatter_dkv", mine.nbytes * (size - 1))
-    dist.reduce_scatter_tensor(mine, by_rank.flatten(0, 1).contiguous(), group=group)
-    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+        COMM_COUNTER.add("reduce_scatter_dkv", mine.nbytes * (dist.get_world_size(group) - 1))
+    _reduce_scatter_single(mine, dkv, group=group)
+    to_kernel = lambda x, like: x.permute(1, 2, 0, 3).to(like.dtype)  # [s, b, hk, d] -> [b, hk, s, d]
+    return dq.to(q.dtype), to_kernel(mine[:, 0], k), to_kernel(mine[:, 1], v)
 
 
 class AllGatherAttnFunc(torch.autograd.Function):
