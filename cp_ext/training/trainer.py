@@ -223,7 +223,7 @@ class Trainer:
         print_rank_0(
             f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
             f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
-            f"(Ulysses {args.ulysses_size} x ring {args.context_parallel_size // args.ulysses_size}) x DP {self.dp_size} "
+            f"({_cp_attention(args)}) x DP {self.dp_size} "
             f"(EP {args.expert_model_parallel_size}), {self.num_microbatches} microbatches/iteration, "
             f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
         )
@@ -298,3 +298,14 @@ class Trainer:
         cp_state.destroy_context_parallel()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _cp_attention(args):
+    """How CP attention runs, for the startup line: the groups, all-gather layers, packed documents."""
+    text = f"Ulysses {args.ulysses_size} x ring {args.context_parallel_size // args.ulysses_size}"
+    if args.cp_comm_types and args.context_parallel_size > 1:
+        n = args.cp_comm_types.count("all_gather")
+        text = "all_gather" if n == len(args.cp_comm_types) else f"{text}; all_gather in {n} of {len(args.cp_comm_types)} layers"
+    if args.reset_attention_mask:
+        text += "; attention within documents"
+    return text

@@ -13,9 +13,9 @@ KV blocks a second time; and that CP-aware recompute really replayed kept output
 case included, where the local kernel's output is kept). The CP2 launch adds a dense model
 (selective ``mlp``), hidden dropout under full recompute (the recomputed forward must draw the
 same masks) and ``--distribute-saved-activations`` on the same 2 ranks re-gridded as TP2 without
-SP (megatron's split of each checkpointed input is counted). Every grid also trains packed
-documents (``--reset-attention-mask`` on a corpus of short documents) with and without CP-aware
-full recompute, and the CP2 launch the same with ``--cp-comm-type all_gather``.
+SP (megatron's split of each checkpointed input is counted). The CP2, CP4 and PP2 x CP2 grids
+also train packed documents (``--reset-attention-mask`` on a corpus of short documents) with and
+without CP-aware full recompute, and the CP2 launch the same with ``--cp-comm-type all_gather``.
 """
 
 import sys
@@ -77,7 +77,9 @@ ALL_GATHER_DOC_RUNS = {
     "docs_all_gather_none": DOCS + ["--cp-comm-type", "all_gather"],
     "docs_all_gather_full_uniform": DOCS + ["--cp-comm-type", "all_gather"] + FULL + ["uniform", "--recompute-num-layers", "1"],
 }
-PAIRS = [(mode, "none") for mode in MODES if mode != "none"] + [("docs_full_uniform", "docs_none")]
+DOC_GRIDS = ("cp2_ring", "cp4_ulysses2_ring2", "pp2_cp2")  # the planning paths: ring, Ulysses x ring, stages
+PAIRS = [(mode, "none") for mode in MODES if mode != "none"]
+DOC_PAIRS = [("docs_full_uniform", "docs_none")]
 EXTRA_PAIRS = [("dense_selective_mlp", "dense_none"), ("dropout_full_uniform", "dropout_none"),
                ("dense_tp2_full_distributed", "dense_tp2_none"),
                ("docs_all_gather_full_uniform", "docs_all_gather_none")]
@@ -110,7 +112,7 @@ def _check_pair(results, mode, base):
 
 def test_every_recompute_mode_is_exact(grid_results):
     grid, results = grid_results
-    for mode, base in PAIRS + (EXTRA_PAIRS if grid == "cp2_ring" else []):
+    for mode, base in PAIRS + (DOC_PAIRS if grid in DOC_GRIDS else []) + (EXTRA_PAIRS if grid == "cp2_ring" else []):
         _check_pair(results, mode, base)
     if grid == "cp2_ring":
         # Dropout is really on (the loss moves), and the recomputed forward drew the same masks
@@ -130,9 +132,14 @@ def test_cp_aware_recompute_replays_and_sends_the_ring_once(grid_results):
         assert res["full_uniform"]["replayed"] > 0 and res["full_block"]["replayed"] > 0
         assert res["full_uniform"]["replayed"] > res["full_block"]["replayed"]  # block: only layer 1 of a stage
         assert res["full_uniform_plain"]["replayed"] == res["none"]["replayed"] == 0
-        assert res["docs_full_uniform"]["replayed"] > 0 and res["docs_none"]["replayed"] == 0
+        if grid in DOC_GRIDS:
+            assert res["docs_full_uniform"]["replayed"] > 0 and res["docs_none"]["replayed"] == 0
         if grid == "cp2_ring":
             assert res["docs_all_gather_full_uniform"]["replayed"] > 0
+            # --cp-comm-type all_gather really all-gathers (and sends nothing around the ring)
+            gathered = res["docs_all_gather_none"]["comm"]
+            assert gathered.get("all_gather_kv", 0) > 0 and gathered.get("reduce_scatter_dkv", 0) > 0, gathered
+            assert "ring_p2p" not in gathered, gathered
         if grid == "cp1":
             assert res["none"]["comm"] == res["full_uniform"]["comm"] == {}, "CP=1 sends nothing"
             continue
@@ -216,8 +223,10 @@ def worker():
     base, dense = MODEL + grid_flags, DENSE_MODEL + grid_flags
     docs = ["--data-path", opts.extra[opts.extra.index("--docs") + 1]]
     runs = {name: (base, flags) for name, flags in MODES.items()}
-    runs.update({name: (base + docs, flags) for name, flags in DOC_RUNS.items()})
     pairs = list(PAIRS)
+    if grid in DOC_GRIDS:
+        runs.update({name: (base + docs, flags) for name, flags in DOC_RUNS.items()})
+        pairs += DOC_PAIRS
     if grid == "cp2_ring":
         runs.update({name: (dense if name.startswith("dense") else base, flags) for name, flags in EXTRA.items()})
         runs.update({name: (base + docs, flags) for name, flags in ALL_GATHER_DOC_RUNS.items()})
