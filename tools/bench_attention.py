@@ -75,8 +75,8 @@ class _NoComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def send_recv(self, to_send, recv_buf=None):
-        return to_send
+    def send_recv(self, to_send, recv_buf=None, *, send=True, recv=True):
+        return (to_send if to_send is not None else recv_buf) if recv else None
 
     def wait(self):
         pass

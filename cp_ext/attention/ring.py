@@ -39,11 +39,12 @@ fp32 tensors (never ``x.to(float32)`` of a kernel output, which aliases under fp
 cast to the input dtype happens once, at the end.
 
 Packed documents (``document_ids``, `cp_ext.attention.documents`): the ids of every ring
-rank are all-gathered once per call, so every rank knows every tile's segments. A step whose
-q rows share no document with the arriving KV block computes nothing (the block still passes
-on), tiles that do compute only their segments, and once no rank has work left the ring
-stops: the remaining hops are not sent, and in the backward each dK/dV accumulator goes home
-in one direct hop instead of the rest of the ring.
+rank are all-gathered once per call, so every rank knows every tile's segments (`RingSchedule`).
+A step whose q rows share no document with the arriving KV block computes nothing, tiles that
+do compute only their segments, and a KV block travels only as far as its last reader: the
+ranks before it pass it on, the hops after it are not sent (nor received), and the ring stops
+once no block travels further. In the backward each dK/dV accumulator rides with its block
+and goes home from its last reader in one direct message, instead of the rest of the ring.
 
 ``ring_attn_forward`` / ``ring_attn_backward`` work on kernel-layout tensors
 ``[b, h, s, d]`` and any process group, so the Ulysses x ring hybrid calls them on the
@@ -60,7 +61,7 @@ from cp_ext.attention.documents import all_document_runs, check_document_ids, cl
 from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.utils import RingComm, accum_dtype, update_out_and_lse
 from cp_ext.data.sharding import LAYOUTS, check_seq_len
-from cp_ext.perf.counter import WORK_COUNTER
+from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
 
 ALL, FIRST, SECOND = "all", "first", "second"
 
@@ -94,23 +95,28 @@ def _rows(part: str, s: int) -> slice:
 
 
 class RingSchedule:
-    """What this rank computes at each ring step, and how many steps the ring runs.
+    """What this rank computes at each ring step, and which KV blocks travel how far.
 
-    Without documents: `step_plan` at every one of the C steps, dense tiles (``segments`` None).
-    With ``document_ids`` (this rank's [b, s] ids): the segments of every (rank, step) tile
-    are known on every rank (one all-gather of the ids), so this rank skips its empty tiles and
-    every rank agrees on ``num_steps``: one past the last step at which any rank has work.
+    Without documents: `step_plan` at every one of the C steps, dense tiles (``segments`` None),
+    and every block goes all the way round. With ``document_ids`` (this rank's [b, s] ids) the
+    segments of every (rank, step) tile are known on every rank (one all-gather of the ids), so
+    this rank skips its empty tiles, and a block travels only as far as a rank still needs it:
+    ``reach[src]`` is the last step at which some rank computes with block ``src`` (rank
+    ``src + reach`` at step ``reach``), and the ranks in between pass it on. The ring runs
+    ``num_steps = max(reach) + 1`` steps on every rank.
     """
 
     def __init__(self, rank, size, s, causal, layout, group=None, document_ids=None):
-        self.steps, self.num_steps = [], size
+        self.rank, self.size = rank, size
+        self.steps, self.reach = [], [size - 1] * size
         if document_ids is None:
             for step in range(size):
                 plan = step_plan(rank, size, step, causal, layout)
                 self.steps.append(None if plan is None else (plan, None))
+            self.num_steps = size
             return
         runs = all_document_runs(document_ids, group)
-        last = 0
+        self.reach = [0] * size
         for r in range(size):
             for step in range(size):
                 plan = step_plan(r, size, step, causal, layout)
@@ -119,15 +125,24 @@ class RingSchedule:
                     q_runs = clip_runs(runs[r], _rows(plan.q_part, s), s)
                     segments = tile_segments(q_runs, clip_runs(runs[plan.src], _rows(plan.kv_part, s), s))
                 if segments:
-                    last = max(last, step)
+                    self.reach[plan.src] = max(self.reach[plan.src], step)
                 if r == rank:
                     self.steps.append((plan, segments) if segments else None)
-        self.num_steps = last + 1
+        self.num_steps = max(self.reach) + 1
         del self.steps[self.num_steps:]
 
     def tile(self, step):
         """(Step, segments or None for a dense tile), or None when this rank computes nothing."""
         return self.steps[step]
+
+    def holds(self, step, rank=None):
+        """Whether ``rank`` (this one by default) holds a KV block at ``step`` (step 0: its own)."""
+        rank = self.rank if rank is None else rank
+        return 0 <= step < self.num_steps and step <= self.reach[(rank - step) % self.size]
+
+    def passes_on(self, step):
+        """Whether this rank sends the block it holds at ``step`` to the next rank."""
+        return self.holds(step + 1, (self.rank + 1) % self.size)
 
 
 def _count(plan, segments, s):
@@ -186,10 +201,11 @@ def ring_attn_forward(
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # one message per step; KV keeps its own (GQA) head count
-    steps = schedule.num_steps
-    for step in range(steps):
-        if step + 1 < steps:
-            next_kv = comm.send_recv(kv)  # in flight while we compute on `kv`
+    shape = kv.shape  # of every block: a receive buffer while this rank holds none
+    for step in range(schedule.num_steps):
+        send, recv = schedule.passes_on(step), schedule.holds(step + 1)
+        if send or recv:  # the next block is in flight while we compute on `kv`
+            next_kv = comm.send_recv(kv, None if kv is not None else k.new_empty(shape), send=send, recv=recv)
         tile = schedule.tile(step)
         if tile is not None:
             plan, segments = tile
@@ -201,9 +217,9 @@ def ring_attn_forward(
             else:
                 block_out, block_lse = kernel.forward_segments(*args, segments, causal=plan.causal, scale=softmax_scale)
             update_out_and_lse(out, lse, block_out, block_lse, qs)
-        if step + 1 < steps:
+        if send or recv:
             comm.wait()
-            kv = next_kv
+            kv = next_kv if recv else None
     return out.to(q.dtype), lse
 
 
@@ -235,13 +251,17 @@ def ring_attn_backward(
     s = q.shape[2]
     if schedule is None:
         schedule = RingSchedule(rank, size, s, causal, layout, group, document_ids)
-    steps = schedule.num_steps
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
-    dkv = next_dkv = None
-    for step in range(steps):
-        if step + 1 < steps:
-            next_kv = kv_comm.send_recv(kv)
+    shape = kv.shape  # of every block and accumulator
+    block = lambda dtype: torch.empty(shape, dtype=dtype, device=q.device)  # a receive buffer
+    dkv = next_dkv = own = None
+    ended = []  # (accumulator, owner) of blocks whose last reader is this rank: they go home at the end
+    for step in range(schedule.num_steps):
+        src = (rank - step) % size
+        send, recv = schedule.passes_on(step), schedule.holds(step + 1)
+        if send or recv:
+            next_kv = kv_comm.send_recv(kv, None if kv is not None else block(k.dtype), send=send, recv=recv)
         tile = schedule.tile(step)
         if tile is not None:
             plan, segments = tile
@@ -254,24 +274,58 @@ def ring_attn_backward(
             dq[:, :, qs].add_(dq_s)
         # dK/dV accumulator of block `src`: started here at step 0, received from rank-1 after.
         if step == 0:
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            dkv = torch.zeros(shape, dtype=acc, device=q.device)
         else:
             dkv_comm.wait()
             dkv = next_dkv
         if tile is not None:
             dkv[0][:, :, ks].add_(dk_s)
             dkv[1][:, :, ks].add_(dv_s)
-        if step + 1 < steps:
-            next_dkv = dkv_comm.send_recv(dkv)  # to the rank that holds this block next step
+        if dkv is not None and not send:  # no rank after this one reads block `src`
+            if step == 0:
+                own = dkv  # nobody else reads this rank's own block: its dK/dV is complete
+            else:
+                ended.append((dkv, src))
+        if send or recv:  # to the rank that holds this block next step; the next one in
+            next_dkv = dkv_comm.send_recv(dkv, None if dkv is not None else block(acc), send=send, recv=recv)
             kv_comm.wait()
-            kv = next_kv
-    # Each accumulator goes home: after all C steps that is one more hop along the ring; a ring
-    # that a document mask ended after `steps` steps sends it to its owner directly.
-    if (1 - steps) % size:
-        home = RingComm(group, shift=1 - steps)
-        dkv = home.send_recv(dkv)
+            kv = next_kv if recv else None
+        else:
+            next_dkv = None
+    # Each accumulator goes home from its last reader, `reach` ranks after its owner. Around the
+    # whole ring that is one hop on (the last reader is the owner's predecessor): one exchange.
+    back_from = schedule.reach[rank]
+    if len(ended) == 1 and back_from > 0 and (ended[0][1] - rank) % size == (-back_from) % size:
+        home = RingComm(group, shift=-back_from)
+        own = home.send_recv(ended[0][0])
         home.wait()
+    elif ended or back_from > 0:
+        received = _send_home(group, ended, back_from, block(acc) if back_from > 0 else None)
+        if back_from > 0:
+            own = received
+    dkv = own
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _send_home(group, ended, back_from, buf):
+    """Post every ended accumulator to its owner and (``back_from`` > 0) receive this rank's own
+    into ``buf`` from ``back_from`` ranks ahead, in one batch (NCCL: one group, so no pair waits
+    on another). Returns ``buf``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    ops = [(dist.isend, t.contiguous(), ranks[owner]) for t, owner in ended]
+    if back_from > 0:
+        ops.append((dist.irecv, buf, ranks[(rank + back_from) % size]))
+    if COMM_COUNTER.enabled:
+        for t, _ in ended:
+            COMM_COUNTER.add("ring_p2p", t.nbytes)
+    if dist.get_backend(group) != "gloo":
+        reqs = dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops])
+    else:
+        reqs = [op(t, peer, group=group) for op, t, peer in ops]
+    for req in reqs:
+        req.wait()
+    return buf
 
 
 class RingAttnFunc(torch.autograd.Function):

@@ -43,22 +43,26 @@ class RingComm:
         self._batched = dist.get_backend(group) != "gloo"
         self._reqs = []
 
-    def send_recv(self, to_send: torch.Tensor, recv_buf: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Post: send ``to_send`` to the next rank, receive the previous rank's into a buffer."""
-        to_send = to_send.contiguous()
-        recv = torch.empty_like(to_send) if recv_buf is None else recv_buf
-        if COMM_COUNTER.enabled:  # opt-in byte count (tools/bench_attention.py)
+    def send_recv(self, to_send: torch.Tensor, recv_buf: Optional[torch.Tensor] = None, *,
+                  send: bool = True, recv: bool = True) -> Optional[torch.Tensor]:
+        """Post: send ``to_send`` to the next rank, receive the previous rank's into a buffer.
+
+        ``send=False`` / ``recv=False`` post one direction only (a document mask leaves some
+        hops without a reader); without ``send``, ``to_send`` (or ``recv_buf``) only gives the
+        received block's shape.
+        Returns the receive buffer, or None without ``recv``.
+        """
+        to_send = to_send.contiguous() if send else to_send
+        buf = (torch.empty_like(to_send) if recv_buf is None else recv_buf) if recv else None
+        ops = ([(dist.isend, to_send, self.send_rank)] if send else []) + ([(dist.irecv, buf, self.recv_rank)] if recv else [])
+        if COMM_COUNTER.enabled and send:  # opt-in byte count (tools/bench_attention.py)
             COMM_COUNTER.add("ring_p2p", to_send.nbytes)
         if self._batched:
-            ops = [
-                dist.P2POp(dist.isend, to_send, self.send_rank, self.group),
-                dist.P2POp(dist.irecv, recv, self.recv_rank, self.group),
-            ]
-            self._reqs.extend(dist.batch_isend_irecv(ops))
+            if ops:
+                self._reqs.extend(dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group) for op, t, peer in ops]))
         else:
-            self._reqs.append(dist.isend(to_send, self.send_rank, group=self.group))
-            self._reqs.append(dist.irecv(recv, self.recv_rank, group=self.group))
-        return recv
+            self._reqs.extend(op(t, peer, group=self.group) for op, t, peer in ops)
+        return buf
 
     def wait(self) -> None:
         for req in self._reqs:
