@@ -36,11 +36,12 @@ def test_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     with open(out, "w") as stdout, open(err, "w") as stderr:
         job = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=REPO_ROOT, start_new_session=True)
+    ranks = {}
     try:
         _wait_for(lambda: "iteration        3/" in out.read_text() or job.poll() is not None, 240, "iteration 3")
         assert job.poll() is None, err.read_text()[-3000:]
-        ranks = {p.environ().get("RANK"): p for p in psutil.Process(job.pid).children(recursive=True)
-                 if p.environ().get("RANK") is not None}
+        ranks.update({p.environ().get("RANK"): p for p in psutil.Process(job.pid).children(recursive=True)
+                      if p.environ().get("RANK") is not None})
         ranks["1"].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         _wait_for(lambda: not ranks["0"].is_running() or ranks["0"].status() == psutil.STATUS_ZOMBIE,
@@ -48,6 +49,11 @@ def test_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
         waited = time.monotonic() - stopped
     finally:
         os.killpg(job.pid, signal.SIGKILL)  # the stopped rank cannot act on torchrun's SIGTERM
+        for rank in ranks.values():  # torchrun starts its ranks in sessions of their own: killpg misses them
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
         job.wait()
     text = err.read_text()
     assert waited < TIMEOUT_MINUTES * 60 + 60, f"rank 0 gave up after {waited:.0f} s"
