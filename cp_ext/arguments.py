@@ -481,8 +481,8 @@ def _context_parallel_problems(args):
             p.append(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes U R with U x R = "
                      f"--context-parallel-size {cp} (got {args.hierarchical_context_parallel_sizes})")
         else:
-            p.append(f"--ulysses-size {args.ulysses_size} contradicts --cp-comm-type {args.cp_comm_base} "
-                     f"(p2p means U=1, a2a means U=C={cp}); give one of them")
+            p.append(f"--ulysses-size contradicts --cp-comm-type {' '.join(args.cp_comm_type)} "
+                     f"(p2p and all_gather mean U=1, a2a means U=C={cp}); give one of them")
         return p
     if u < 1 or cp % u:
         p.append(f"--ulysses-size {u} must divide --context-parallel-size {cp}")

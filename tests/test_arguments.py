@@ -47,11 +47,14 @@ def _error(argv, world_size):
         (["--context-parallel-size", "2", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], 2,
          ["--cp-comm-type mixes a2a and p2p", "all_gather with one other type"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2, ["--cp-comm-type", "all_gather"]),
+        (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--ulysses-size", "2"], 2,
+         ["--ulysses-size contradicts --cp-comm-type all_gather", "give one of them"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
          "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp",
-         "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt"],
+         "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt",
+         "all-gather-contradicts-ulysses"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)

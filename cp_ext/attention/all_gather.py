@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.documents import (
-    Runs, check_document_ids, clip_runs, diagonal_segments, document_runs, segment_pairs, tile_segments,
+    Runs, check_document_ids, clip_runs, diagonal_segments, document_runs, gather_parts, segment_pairs,
+    tile_segments,
 )
 from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.utils import accum_dtype, update_out_and_lse
@@ -64,16 +65,12 @@ class AllGatherPlan:
     def __init__(self, positions: torch.Tensor, group, causal: bool, document_ids=None):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         s = positions.numel()
-        parts = [torch.empty_like(positions) for _ in range(size)]
-        dist.all_gather(parts, positions.contiguous(), group=group)
-        parts = [p.tolist() for p in parts]
+        parts = [p.tolist() for p in gather_parts(positions, group)]
         if sorted(parts[me]) != parts[me]:
             raise ValueError("all-gather attention needs each rank's tokens in increasing global order")
         runs: List[Optional[Runs]] = [None] * size
         if document_ids is not None:
-            ids = [torch.empty_like(document_ids) for _ in range(size)]
-            dist.all_gather(ids, document_ids.contiguous(), group=group)
-            ids = [x.cpu().long() for x in ids]
+            ids = [x.cpu().long() for x in gather_parts(document_ids, group)]
             runs = [document_runs(x, name=f"document_ids (CP rank {i})") for i, x in enumerate(ids)]
             # The whole sequence must be in order too: every rank checks it (same data, same verdict).
             full = torch.empty(ids[0].shape[0], s * size, dtype=torch.int64)

@@ -113,22 +113,26 @@ def segment_pairs(segments: Sequence[Segment], causal: bool) -> int:
     return sum((s.q1 - s.q0) * (s.q1 - s.q0 + 1) // 2 if causal else (s.q1 - s.q0) * (s.k1 - s.k0) for s in segments)
 
 
+def gather_parts(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
+    """Every rank's ``x`` (same shape on every rank), in group-rank order: one all-gather."""
+    if dist.get_world_size(group) == 1:
+        return [x]
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
 def gather_document_ids(document_ids: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 1) -> torch.Tensor:
     """Concatenate every rank's ids along ``dim`` in group-rank order (Ulysses: the group's sequence)."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return document_ids
-    parts = [torch.empty_like(document_ids) for _ in range(size)]
-    dist.all_gather(parts, document_ids.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(gather_parts(document_ids, group), dim=dim)
 
 
 def all_document_runs(document_ids: torch.Tensor, group: Optional[dist.ProcessGroup]) -> List[Runs]:
-    """Every rank's runs (group-rank order), from one all-gather of the ids: each rank can plan every tile."""
-    size = dist.get_world_size(group)
-    if size == 1:
+    """Every rank's runs (group-rank order), from one all-gather of the ids: each rank can plan every tile.
+
+    Every rank checks every rank's ids in the same order, so a bad id raises on all ranks together
+    (none is left waiting in a collective)."""
+    parts = gather_parts(document_ids, group)
+    if len(parts) == 1:
         return [document_runs(document_ids)]
-    parts = [torch.empty_like(document_ids) for _ in range(size)]
-    dist.all_gather(parts, document_ids.contiguous(), group=group)
-    # The same check on every rank, in the same order: all ranks raise together, none hangs.
     return [document_runs(p, name=f"document_ids (CP rank {i})") for i, p in enumerate(parts)]

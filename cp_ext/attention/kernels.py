@@ -72,6 +72,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from cp_ext.attention.utils import accum_dtype
+
 aten = torch.ops.aten
 
 
@@ -107,7 +109,7 @@ class AttnKernel:
         Kernels with a native variable-length call may override this and `backward_segments`.
         """
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=_accum(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
         for g in segments:
             o, l = self.forward(q[g.b : g.b + 1, :, g.q0 : g.q1], k[g.b : g.b + 1, :, g.k0 : g.k1],
                                 v[g.b : g.b + 1, :, g.k0 : g.k1], causal=causal, scale=scale)
@@ -118,7 +120,7 @@ class AttnKernel:
     def backward_segments(self, dout, q, k, v, out, lse, segments, *, causal: bool, scale: float):
         """dq, dk, dv (fp32, fp64 for fp64) of `forward_segments` from the *global* out/lse; zero
         where no segment reaches."""
-        acc = _accum(q.dtype)
+        acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
@@ -146,10 +148,6 @@ class AttnKernel:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
-
-
-def _accum(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check(q, k, v, causal):
@@ -362,7 +360,7 @@ def varlen_forward_segments(varlen_forward, q, k, v, segments, *, causal: bool, 
     The segments' q rows must be disjoint (one document per row, as `tile_segments` gives).
     """
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=_accum(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
     p = varlen_pack(segments, q.device)
     if p is None:
         return out, lse
@@ -380,7 +378,7 @@ def varlen_backward_segments(varlen_backward, dout, q, k, v, out, lse, segments,
     *global* out and lse of the packed q rows, lse as ``[h, total_q]`` fp32) and returns the packed
     dq ``[total_q, h, d]``, dk, dv ``[total_k, hk, d]``; they are added into zeros (index_put_).
     """
-    acc = _accum(q.dtype)
+    acc = accum_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
     p = varlen_pack(segments, q.device)
     if p is None:
