@@ -59,9 +59,9 @@ import torch.distributed as dist
 
 from cp_ext.attention.documents import all_document_runs, check_document_ids, clip_runs, segment_pairs, tile_segments
 from cp_ext.attention.kernels import AttnKernel, get_kernel
-from cp_ext.attention.utils import RingComm, accum_dtype, update_out_and_lse
+from cp_ext.attention.utils import RingComm, accum_dtype, post_p2p, update_out_and_lse
 from cp_ext.data.sharding import LAYOUTS, check_seq_len
-from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
+from cp_ext.perf.counter import WORK_COUNTER
 
 ALL, FIRST, SECOND = "all", "first", "second"
 
@@ -316,14 +316,7 @@ def _send_home(group, ended, back_from, buf):
     ops = [(dist.isend, t.contiguous(), ranks[owner]) for t, owner in ended]
     if back_from > 0:
         ops.append((dist.irecv, buf, ranks[(rank + back_from) % size]))
-    if COMM_COUNTER.enabled:
-        for t, _ in ended:
-            COMM_COUNTER.add("ring_p2p", t.nbytes)
-    if dist.get_backend(group) != "gloo":
-        reqs = dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops])
-    else:
-        reqs = [op(t, peer, group=group) for op, t, peer in ops]
-    for req in reqs:
+    for req in post_p2p(ops, group):
         req.wait()
     return buf
 

@@ -40,7 +40,6 @@ class RingComm:
         # last dK/dV hop when a document mask ends the ring early).
         self.send_rank = ranks[(self.rank + shift) % self.world_size]
         self.recv_rank = ranks[(self.rank - shift) % self.world_size]
-        self._batched = dist.get_backend(group) != "gloo"
         self._reqs = []
 
     def send_recv(self, to_send: torch.Tensor, recv_buf: Optional[torch.Tensor] = None, *,
@@ -55,19 +54,29 @@ class RingComm:
         to_send = to_send.contiguous() if send else to_send
         buf = (torch.empty_like(to_send) if recv_buf is None else recv_buf) if recv else None
         ops = ([(dist.isend, to_send, self.send_rank)] if send else []) + ([(dist.irecv, buf, self.recv_rank)] if recv else [])
-        if COMM_COUNTER.enabled and send:  # opt-in byte count (tools/bench_attention.py)
-            COMM_COUNTER.add("ring_p2p", to_send.nbytes)
-        if self._batched:
-            if ops:
-                self._reqs.extend(dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group) for op, t, peer in ops]))
-        else:
-            self._reqs.extend(op(t, peer, group=self.group) for op, t, peer in ops)
+        self._reqs.extend(post_p2p(ops, self.group))
         return buf
 
     def wait(self) -> None:
         for req in self._reqs:
             req.wait()
         self._reqs = []
+
+
+def post_p2p(ops, group: Optional[dist.ProcessGroup]) -> list:
+    """Post ``ops`` ([(dist.isend or dist.irecv, tensor, global peer rank)]) as one batch and
+    return their requests. With NCCL the batch is one ``batch_isend_irecv`` group, so no
+    rank's send waits behind another pair's; with gloo, plain isend/irecv. Sends count as
+    ``"ring_p2p"`` bytes (`cp_ext.perf.counter`, opt-in)."""
+    if COMM_COUNTER.enabled:
+        for op, t, _ in ops:
+            if op is dist.isend:
+                COMM_COUNTER.add("ring_p2p", t.nbytes)
+    if not ops:
+        return []
+    if dist.get_backend(group) != "gloo":
+        return dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in ops])
+    return [op(t, peer, group=group) for op, t, peer in ops]
 
 
 def update_out_and_lse(
