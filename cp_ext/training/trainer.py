@@ -46,21 +46,31 @@ from cp_ext.training.steps import forward_step
 
 
 def initialize_distributed(args, device):
-    """torch.distributed + megatron's parallel_state for the grid in `args`."""
+    """torch.distributed + megatron's parallel_state for the grid in `args`, then the seeds.
+
+    A grid already initialized with the same sizes is reused (tests and tools build many trainers
+    in one process; new groups each time would pile up gloo threads, `cp_state.destroy_grid`); a
+    different one is left first."""
     # Every group gets --distributed-timeout-minutes (megatron's default for its own is 30):
     # a stopped or hung rank makes the others fail with a message, not wait for half an hour.
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group(backend=distributed_backend(device), timeout=timeout)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-    )
-    cp_state.initialize_context_parallel(args.ulysses_size, timeout=timeout)
+    grid = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+            args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.ulysses_size,
+            args.distributed_timeout_minutes)
+    if cp_state.initialized_grid() != grid:
+        if parallel_state.model_parallel_is_initialized():
+            cp_state.destroy_grid()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
+        cp_state.initialize_context_parallel(args.ulysses_size, timeout=timeout, grid=grid)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -290,14 +300,18 @@ class Trainer:
         kind = "peak RSS" if platform_is_cpu() else "CUDA max allocated"
         print_rank_0(f"{kind} per rank (MiB): " + " ".join(f"{p.item() / 2**20:.0f}" for p in peaks))
 
-    def shutdown(self):
-        """Leave the process groups cleanly so torchrun sees every rank exit 0."""
+    def shutdown(self, keep_process_group=False):
+        """Leave the process groups cleanly so torchrun sees every rank exit 0.
+
+        ``keep_process_group``: leave the grid in place, so the same ranks can build another
+        Trainer (on this grid, reusing its groups, or on another; `initialize_distributed`)."""
         dist.barrier()
         if self.args.save:
             release_save_lock(self.args.save)
-        cp_state.destroy_context_parallel()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if not keep_process_group:
+            cp_state.destroy_context_parallel()
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
 
 
 def _cp_attention(args):
