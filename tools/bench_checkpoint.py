@@ -40,9 +40,7 @@ def _worker(argv):
     known, flags = p.parse_known_args(argv)
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
 
@@ -52,10 +50,6 @@ def _worker(argv):
 
     def build(kind, *extra):
         return Trainer(parse_args(flags + KINDS[kind] + list(extra)))
-
-    def teardown():
-        cp_state.destroy_context_parallel()
-        parallel_state.destroy_model_parallel()
 
     results = {kind: {"save_s": [], "load_s": []} for kind in KINDS}
     for repeat in range(known.repeats):
@@ -69,17 +63,14 @@ def _worker(argv):
             start = time.perf_counter()
             trainer.checkpointer.save(directory)
             results[kind]["save_s"].append(time.perf_counter() - start)
-            teardown()
             dist.barrier()
             start = time.perf_counter()
             trainer = build(kind, "--load", str(directory))
             built_and_loaded = time.perf_counter() - start
-            teardown()
             dist.barrier()
             start = time.perf_counter()
             build(kind)  # the same build without loading: subtracted, leaving the load itself
             results[kind]["load_s"].append(built_and_loaded - (time.perf_counter() - start))
-            teardown()
             iteration = next(directory.glob("iter_*"))
             rank = int(os.environ["RANK"])
             mine = sum(f.stat().st_size for f in iteration.glob(f"__{rank}_*.distcp"))
@@ -101,16 +92,12 @@ def main():
     known, flags = p.parse_known_args()
     if not flags:
         flags = ["--config", "configs/cpu_demo.yaml", "--context-parallel-size", "1"]
-    import subprocess
+    from cp_ext.perf.workers import WorkerError, run_workers
 
-    out = tempfile.mkdtemp(prefix="cp_ext_bench_ckpt_out_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={known.nproc}",
-           __file__, "--worker", "--out", out, "--repeats", str(known.repeats), *flags]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"bench_checkpoint: the run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(known.nproc)]
+    try:
+        ranks = run_workers(__file__, known.nproc, ["--repeats", known.repeats, *flags], timeout=None)
+    except WorkerError as e:
+        sys.exit(f"bench_checkpoint: the run failed: {e}")
     print(f"checkpoint of {' '.join(flags)} on {known.nproc} ranks, median of {known.repeats}:")
     print(f"{'optimizer':<18}{'save s':>8}{'load s':>8}{'total MiB':>11}  bytes per rank (MiB; share of the total)")
     for kind in KINDS:

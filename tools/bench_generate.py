@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +40,7 @@ def _worker(argv):
     known, flags = p.parse_known_args(argv)
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
     from cp_ext.inference import Generator, decode_bytes_per_token_layer
     from cp_ext.perf.counter import count_comm
@@ -74,8 +71,6 @@ def _worker(argv):
             r["counted_bytes_per_token_layer"] = sent / (tokens_decoded * config.num_layers)
             r["formula_bytes_per_token_layer"] = decode_bytes_per_token_layer(
                 1, config.num_attention_heads, config.kv_channels, u, cp // u)
-            cp_state.destroy_context_parallel()
-            parallel_state.destroy_model_parallel()
     Path(known.out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
 
 
@@ -87,17 +82,14 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     known, flags = p.parse_known_args()
     flags = flags or DEFAULT_MODEL
-    import subprocess
+    from cp_ext.perf.workers import WorkerError, run_workers
 
-    out = tempfile.mkdtemp(prefix="cp_ext_bench_generate_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={known.nproc}",
-           __file__, "--worker", "--out", out, "--prompt-length", str(known.prompt_length), "--new-tokens",
-           str(known.new_tokens), "--repeats", str(known.repeats), *flags]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"bench_generate: the run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(known.nproc)]
+    try:
+        ranks = run_workers(__file__, known.nproc, ["--prompt-length", known.prompt_length, "--new-tokens",
+                                                    known.new_tokens, "--repeats", known.repeats, *flags], timeout=None)
+    except WorkerError as e:
+        sys.exit(f"bench_generate: the run failed: {e}")
+
     def median(name, key):  # the slowest rank of each repeat, then the median over repeats
         return statistics.median(max(x[name][key][i] for x in ranks) for i in range(known.repeats))
 

@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +71,7 @@ def _worker(argv):
             if rnd > 0:
                 seconds[name].append(time.perf_counter() - start)
             losses.append((name, metrics["lm loss"]))
-    if dist.get_rank() == 0:
-        Path(known.out).write_text(json.dumps({"seconds": seconds, "losses": losses}))
+    Path(known.out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"seconds": seconds, "losses": losses}))
     trainer.shutdown()
 
 
@@ -90,18 +88,14 @@ def main(argv=None):
     flags = [f for f in args.trainer_flags if f != "--"]
     if any(f.startswith("--recompute") or "cp-aware-recompute" in f for f in flags):
         p.error("give the trainer flags without recompute flags: every mode is run")
-    from tests.launch import run_process_group  # kills the whole torchrun group on timeout
+    from cp_ext.perf.workers import WorkerError, run_workers
 
-    out = Path(tempfile.mkdtemp(prefix="cp_ext_bench_recompute_")) / "timings.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), "--rounds", str(args.rounds), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = run_process_group(cmd, timeout=int(os.environ.get("CP_EXT_BENCH_TIMEOUT", "3600")), env=env, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
+    try:
+        result = run_workers(__file__, args.nproc, ["--rounds", args.rounds, *flags],
+                             timeout=int(os.environ.get("CP_EXT_BENCH_TIMEOUT", "3600")))[0]  # rank 0's timings
+    except WorkerError as e:
+        print(e, file=sys.stderr)
         return 1
-    result = json.loads(out.read_text())
     base = statistics.median(result["seconds"]["none"])
     print(f"trainer flags: {' '.join(flags)}  ({args.nproc} ranks, {args.rounds} timed rounds)")
     print(f"{'mode':>14s} {'median s/iter':>14s} {'vs none':>8s}   iterations (s)")

@@ -211,9 +211,6 @@ def main(argv=None):
     except ConfigError as e:
         exit_with_config_error("eval_long_context.py", e)
 
-    from megatron.core import parallel_state
-
-    from cp_ext import parallel_state as cp_state
     from cp_ext.training.trainer import Trainer
 
     results = {}
@@ -228,8 +225,7 @@ def main(argv=None):
                       f"DP {trainer.dp_size}")
             trainer.shutdown()
         else:
-            cp_state.destroy_context_parallel()
-            parallel_state.destroy_model_parallel()
+            trainer.shutdown(keep_process_group=True)
     if not rank0:
         return
     out = Path(tool.out_dir)

@@ -41,16 +41,15 @@ or the planner is off by more than ``--planner-tolerance``.
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+
+from cp_ext.perf.workers import run_workers  # noqa: E402
 
 # Attention-heavy CPU config: long sequence, small hidden, dense MLP, fp32, one microbatch.
 ATTN_HEAVY = [
@@ -295,32 +294,13 @@ def run(cp, trainer_flags, ulysses_size=None, timeout=600, comm_type=None):
     ``comm_type``: None (the attention the CP groups pick) or ``"all_gather"`` (``--cp-comm-type
     all_gather``: every layer all-gathers K/V over the CP group, on the ring's layout).
     """
-    out = Path(tempfile.mkdtemp(prefix="cp_ext_mem_"))
     flags = list(trainer_flags) + ["--context-parallel-size", str(cp)]
     all_gather = comm_type == "all_gather" and cp > 1
     if all_gather:
         flags += ["--cp-comm-type", "all_gather"]
     elif ulysses_size and cp > 1:
         flags += ["--ulysses-size", str(ulysses_size)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    # A session of its own, so a timeout kills torchrun *and* its ranks (no orphans).
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
-                             start_new_session=True)
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        raise RuntimeError(f"{' '.join(cmd)} did not finish within {timeout} s")
-    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    if len(records) != cp:
-        raise RuntimeError(f"expected {cp} rank records, got {len(records)}\n{proc.stderr[-4000:]}")
+    records = run_workers(__file__, cp, flags, timeout=timeout)
     return sorted(records, key=lambda r: r["rank"])
 
 

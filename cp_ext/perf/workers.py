@@ -1,0 +1,48 @@
+"""Run a tool's worker on N ranks under torchrun and read what each rank wrote (tools/ only).
+
+    records = run_workers(script, nproc, [*args], timeout=600)   # [rank 0's JSON, rank 1's, ...]
+
+The worker is ``script --worker --out DIR args``; rank r writes ``DIR/rank{r}.json``. The
+directory is a fresh temp directory removed before this returns, whatever happens. torchrun
+starts in a session of its own, so a timeout kills torchrun *and* its ranks: no orphan waits
+forever in a collective. Failures raise `WorkerError` with the job's last output.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerError(RuntimeError):
+    """The job exited non-zero, timed out, or a rank wrote no record."""
+
+
+def run_workers(script, nproc: int, args: Sequence[str], timeout: Optional[float] = 600, env=None) -> List[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(script).resolve()), "--worker"]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory(prefix="cp_ext_workers_") as out:
+        full = cmd + ["--out", out, *map(str, args)]
+        child = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env,
+                                 cwd=REPO_ROOT, start_new_session=True)
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
+            raise WorkerError(f"{' '.join(full)} did not finish within {timeout} s\n{stderr[-4000:]}") from None
+        if child.returncode != 0:
+            raise WorkerError(f"{' '.join(full)} exited {child.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+        paths = [Path(out, f"rank{r}.json") for r in range(nproc)]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise WorkerError(f"{' '.join(full)}: no record from {missing}\n{stderr[-4000:]}")
+        return [json.loads(p.read_text()) for p in paths]
