@@ -1,85 +1,244 @@
-"""Run a test module's worker under torchrun and collect what every rank measured.
+"""Run the suite's multi-rank workers and scripts, and collect what every rank measured.
 
 Multi-rank tests are split in two halves that live in the same file:
 
-* the worker (`if __name__ == "__main__": ...`) runs once per rank under torchrun,
-  builds its process groups once, runs *all* the cases of the file and writes the
-  numbers it measured (max errors, losses, ...) with `write_results`;
-* the pytest functions launch that worker once per configuration (module-scoped
-  fixture) and assert on the numbers, so one failing case reads as one failing test.
+* the worker (`if __name__ == "__main__": ...`) runs once per rank, builds its process groups
+  once, runs *all* the cases of the file (or of one world size) and writes the numbers it
+  measured (max errors, losses, ...) with `write_results`;
+* the pytest functions launch that worker once per world size (a module-scoped fixture) and
+  assert on the numbers, so one failing case reads as one failing test.
 
-Starting Python and importing megatron-core costs seconds per rank on a 2-core
-machine, so sharing one launch across many cases is what keeps the suite fast.
+Starting Python and importing megatron-core costs 8.8 s per rank on a 2-core machine (a tiny
+model's 3 training iterations cost 1 s), so ranks are forked from one pre-imported process
+(`tests.forkserver`) rather than started by torchrun, and cases share launches. Scripts run the
+same way (`run_script`, `start_script`: ``python script.py`` or torchrun's environment), except
+where what torchrun itself does is under test (``torchrun=True``: its messages, its signals).
 """
 
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+_SESSION = {}  # the session's temp directory and fork server, made on first use
+
+
+def session_dir() -> Path:
+    """A temp directory for this test session's runs; `shutdown` removes it."""
+    if "dir" not in _SESSION:
+        _SESSION["dir"] = Path(tempfile.mkdtemp(prefix="cp_ext_tests_"))
+    return _SESSION["dir"]
+
+
+class ForkServer:
+    """The client side of `tests.forkserver`: started once, runs every forked run of the session."""
+
+    def __init__(self):
+        self.log_path = session_dir() / "forkserver.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        for name in TORCHRUN_ENV:
+            env.pop(name, None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, cwd=REPO_ROOT, env=env,
+                                     start_new_session=True)
+        self._pending, self._exits = b"", {}
+        if self._reply(timeout=300) is None:
+            raise RuntimeError(f"the test fork server did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def _reply(self, timeout):
+        """The next JSON line from the server, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                self._log.flush()
+                raise RuntimeError(f"the test fork server died:\n{self.log_path.read_text()[-4000:]}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def start(self, request):
+        """Start a run; returns its leader's pid (a process group: ``killpg`` ends the whole run)."""
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        while True:
+            reply = self._reply(timeout=60)
+            if reply is None:
+                raise RuntimeError("the test fork server did not answer a start request within 60 s")
+            if "exit" in reply:
+                self._exits[reply["pid"]] = reply["exit"]
+            else:
+                return reply["pid"]
+
+    def wait(self, pid, timeout):
+        """The run's exit code, or None if it is still running after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while pid not in self._exits:
+            reply = self._reply(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                return None
+            if "exit" in reply:
+                self._exits[reply["pid"]] = reply["exit"]
+        return self._exits.pop(pid)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def _server() -> ForkServer:
+    if "server" not in _SESSION:
+        _SESSION["server"] = ForkServer()
+    return _SESSION["server"]
+
+
+def shutdown():
+    """End the fork server and remove the session's temp directory (tests/conftest.py, at session end)."""
+    server = _SESSION.pop("server", None)
+    if server is not None:
+        server.close()
+    directory = _SESSION.pop("dir", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class Run:
+    """A script or worker running on forked ranks: `tests.forkserver`'s job, seen from the test."""
+
+    def __init__(self, script, nproc, args, env=None, unset=(), cwd=REPO_ROOT, log_dir=None):
+        self.nproc, self.what = nproc, f"{Path(script).name} on {nproc or 'no torchrun,'} rank(s) {' '.join(map(str, args))[:300]}"
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="run_", dir=session_dir()))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.pid = _server().start(dict(script=str(script), nproc=nproc, args=list(map(str, args)), env=env or {},
+                                        unset=list(unset), cwd=str(cwd), log_dir=str(self.log_dir)))
+        self.returncode = None
+
+    def rank_pids(self, timeout=30):
+        """{rank: pid} of the running ranks."""
+        path, deadline = self.log_dir / "pids.json", time.monotonic() + timeout
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {int(r): pid for r, pid in json.loads(path.read_text()).items()}
+
+    def wait(self, timeout):
+        """Exit code (torchrun's: 1 when any rank failed), or None after ``timeout`` (still running)."""
+        if self.returncode is None:
+            self.returncode = _server().wait(self.pid, timeout)
+        return self.returncode
+
+    def poll(self):
+        return self.wait(0)
+
+    def kill(self, dump_stacks=False):
+        """End every rank (first dumping each rank's stacks into its log, if asked)."""
+        for sig, pause in ([(signal.SIGUSR1, 2.0)] if dump_stacks else []) + [(signal.SIGKILL, 0)]:
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(pause)
+        return self.wait(60)
+
+    def output(self, stream):
+        """Every rank's ``stream`` ("out" or "err"), rank after rank."""
+        parts = []
+        for rank in range(max(self.nproc, 1)):
+            path = self.log_dir / f"rank{rank}.{stream}"
+            parts.append(path.read_text(errors="replace") if path.exists() else "")
+        return "".join(parts)
+
+    def logs(self, lines=40):
+        """The last ``lines`` lines each rank wrote, labelled by rank; after a stack dump, the innermost
+        frames of that dump (where the rank was) instead."""
+        parts = []
+        for rank in range(max(self.nproc, 1)):
+            text = (self.log_dir / f"rank{rank}.out").read_text(errors="replace").splitlines() if (
+                self.log_dir / f"rank{rank}.out").exists() else []
+            err = self.log_dir / f"rank{rank}.err"
+            text += err.read_text(errors="replace").splitlines() if err.exists() else []
+            dumps = [i for i, line in enumerate(text) if "most recent call first" in line]
+            shown = text[dumps[-1]:dumps[-1] + lines] if dumps else text[-lines:]
+            label = "stack when killed, innermost first" if dumps else f"last {len(shown)} lines"
+            parts.append(f"--- rank {rank} ({label}) ---\n" + "\n".join(shown))
+        return "\n".join(parts)
+
+    def finish(self, timeout):
+        """Wait for the end; a run past ``timeout`` is killed (stacks dumped) and AssertionError raised."""
+        code = self.wait(timeout)
+        if code is None:
+            self.kill(dump_stacks=True)
+            raise AssertionError(f"timed out after {timeout} s and was killed: {self.what}\n{self.logs()}")
+        return subprocess.CompletedProcess(self.what, code, self.output("out"), self.output("err"))
 
 
 def launch(script, nproc, *args, timeout=900, env=None):
-    """Run `script` on `nproc` gloo ranks; return {rank: results} as written by each rank.
+    """Run the worker `script` on `nproc` gloo ranks; return {rank: results} as written by each rank.
 
-    Raises AssertionError with the workers' output when the job fails, so a broken
-    worker shows its traceback in the pytest report instead of a bare exit code.
+    A failed launch raises AssertionError with every rank's last lines, and a launch that runs
+    past ``timeout`` seconds is killed and reported with each rank's stack at that moment (so a
+    hang names the collective it hangs in). The results directory lives until the session ends.
     """
-    import tempfile
-
-    out_dir = Path(tempfile.mkdtemp(prefix="cp_ext_test_"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(script), "--results-dir", str(out_dir), *map(str, args),
-    ]
-    run_env = dict(os.environ)
-    run_env.setdefault("OMP_NUM_THREADS", "1")
-    run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
-    run_env.update(env or {})
-    proc = run_process_group(cmd, timeout=timeout, env=run_env, cwd=REPO_ROOT)
+    out_dir = Path(tempfile.mkdtemp(prefix="launch_", dir=session_dir()))
+    run = Run(script, nproc, ["--results-dir", out_dir, *args], env=env, log_dir=out_dir / "logs")
+    proc = run.finish(timeout)
     if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-8000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
-        )
+        raise AssertionError(f"exited {proc.returncode}: {run.what}\n{run.logs(lines=80)}")
     results = {}
     for path in sorted(out_dir.glob("rank*.json")):
         results[int(path.stem[4:])] = json.loads(path.read_text())
-    assert len(results) == nproc, f"expected results from {nproc} ranks, got {sorted(results)}:\n{proc.stderr[-4000:]}"
+    assert len(results) == nproc, f"expected results from {nproc} ranks, got {sorted(results)}:\n{run.logs()}"
     return results
 
 
-def run_script(nproc, script, *args, check=True, timeout=600):
-    """A repository script as a user runs it: under torchrun with `nproc` ranks, or plain ``python``
-    (one rank, no torchrun environment) when `nproc` is 0. Asserts exit 0 unless ``check=False``."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT, timeout=timeout)
+def _script_env(env):
+    return dict({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}, **(env or {}))
+
+
+def start_script(nproc, script, *args, env=None, unset=(), cwd=REPO_ROOT):
+    """Start a repository script on ``nproc`` forked ranks with torchrun's environment (``nproc`` 0:
+    ``python script.py``, no torchrun variables), ``env`` added and ``unset`` removed. Returns the `Run`."""
+    return Run(script, nproc, args, env=_script_env(env), unset=TORCHRUN_ENV + tuple(unset), cwd=cwd)
+
+
+def run_script(nproc, script, *args, check=True, timeout=600, env=None, unset=(), torchrun=False, cwd=REPO_ROOT):
+    """A repository script run to the end: a CompletedProcess with its exit code (torchrun's: 1 when a
+    rank failed), every rank's stdout and stderr. Asserts exit 0 unless ``check=False``.
+
+    ``torchrun=True`` runs it under torchrun itself (or plain ``python`` when ``nproc`` is 0), as
+    a user types it: for tests of what the launcher adds (its messages, its exit codes, signals).
+    """
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
+        run_env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV + tuple(unset)}
+        run_env.update(_script_env(env))
+        proc = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=run_env,
+                              cwd=cwd, timeout=timeout)
+    else:
+        proc = start_script(nproc, script, *args, env=env, unset=unset, cwd=cwd).finish(timeout)
     if check:
         assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
-
-
-def run_process_group(cmd, timeout, **kwargs):
-    """subprocess.run in a session of its own; on timeout the whole group is killed.
-
-    Killing only torchrun would orphan its ranks, which then wait forever in a collective.
-    """
-    import signal
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout} s\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def worker_args(argv=None):

@@ -1,13 +1,11 @@
 """Flags, YAML configs and the early, clear errors for a bad grid."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from cp_ext.arguments import ConfigError, parse_args
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 MOE = ["--num-experts", "4", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "64"]
 
@@ -124,9 +122,8 @@ def test_bundled_configs_parse(monkeypatch):
 
 def test_bad_flags_fail_once_on_rank_0_before_any_work():
     """Two ranks, a bad grid: exit status 2 on every rank, one message, no hang."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), "--num-layers", "3", "--pipeline-model-parallel-size", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
+                      torchrun=True, check=False, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2") == 1, proc.stderr
     assert "Traceback" not in proc.stderr.split("configuration error")[0]

@@ -6,7 +6,6 @@ the fix, and no Python traceback. A few rows go through torchrun with 2 ranks: t
 is printed once, by rank 0. The README's reliability section reports this table's size.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -18,17 +17,6 @@ import pytest
 
 from tests.launch import REPO_ROOT
 
-
-
-def _crafted_checkpoint(root, iteration):
-    """A checkpoint directory as parse-time checks read it (tracker, meta.json, metadata.json)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    it = root / f"iter_{iteration:07d}"
-    it.mkdir(exist_ok=True)
-    (it / "metadata.json").write_text("{}")
-    (it / "meta.json").write_text(json.dumps({"iteration": iteration, "format": "torch_dist"}))
-    return root
 
 
 def _tokenizer_without_eod(root):
@@ -125,12 +113,12 @@ def _run(cmd, tmp_path, yaml_text=None, env=None):
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
+def outcomes(tmp_path_factory, crafted_checkpoint):
     """All rows, two at a time (each is a separate Python process)."""
     def one(case):
         argv, yaml_text, _ = CASES[case]
         tmp = tmp_path_factory.mktemp(case)
-        argv = [a.replace("{ckpt}", str(_crafted_checkpoint(tmp / "ckpt", 5))) for a in argv]
+        argv = [a.replace("{ckpt}", str(crafted_checkpoint(tmp / "ckpt", 5))) for a in argv]
         if any("{no_eod}" in a for a in argv):
             argv = [a.replace("{no_eod}", str(_tokenizer_without_eod(tmp / "no_eod"))) for a in argv]
         return case, _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), *argv], tmp, yaml_text)
@@ -152,9 +140,9 @@ def test_bad_input_gets_one_clear_message(outcomes, case):
 
 
 @pytest.mark.parametrize("case", ["heads-0", "yaml-device-gpu", "train-iters-below-checkpoint"])
-def test_torchrun_prints_the_message_once(tmp_path, case):
+def test_torchrun_prints_the_message_once(tmp_path, case, crafted_checkpoint):
     argv, yaml_text, must_name = CASES[case]
-    argv = [a.replace("{ckpt}", str(_crafted_checkpoint(tmp_path / "ckpt", 5))) for a in argv]
+    argv = [a.replace("{ckpt}", str(crafted_checkpoint(tmp_path / "ckpt", 5))) for a in argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO_ROOT / "pretrain_moe.py"), *argv]
     proc, seconds = _run(cmd, tmp_path, yaml_text)

@@ -330,8 +330,7 @@ def test_rope_hook_on_the_model(tmp_path):
             assert torch.allclose(loss, reference[0], rtol=1e-6), (recompute, loss, reference[0])
             for a, b in zip(grads, reference[1]):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), recompute
-        cp_state.destroy_context_parallel()
-        parallel_state.destroy_model_parallel()
+        cp_state.destroy_grid()
         dist.destroy_process_group()
         print("ok")
     """)

@@ -202,8 +202,7 @@ def worker():
             out["resume_ok"] = all(torch.equal(a.tokens, b.tokens) and (a.sample_ids == b.sample_ids).all()
                                    for x, y in zip(resumed, batches[1:]) for a, b in zip(x, y))
         out["grids"][name] = records
-        cp_state.destroy_context_parallel()
-        parallel_state.destroy_model_parallel()
+        cp_state.destroy_grid()
     write_results(opts.results_dir, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -34,18 +34,11 @@ def test_cp2_run_recalls_the_key_across_shards(tmp_path):
     well below ln 10, the best a model can do without attending from one CP shard to the other."""
     import json
     import math
-    import os
-    import subprocess
-    import sys
 
-    from tests.launch import REPO_ROOT
+    from tests.launch import REPO_ROOT, run_script
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), "--config", str(REPO_ROOT / "configs" / "cpu_passkey.yaml"),
-           "--log-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_script(2, REPO_ROOT / "pretrain_moe.py", "--config", REPO_ROOT / "configs" / "cpu_passkey.yaml", "--log-dir",
+               tmp_path, timeout=900)
     losses = [json.loads(line)["train/lm_loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 250 and losses[0] > 4.0
     final = sum(losses[-10:]) / 10

@@ -88,9 +88,7 @@ def worker():
 
     warnings.simplefilter("ignore")
     import torch
-    from megatron.core import parallel_state
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
     from cp_ext.inference import Generator, Sampling
     from cp_ext.training.trainer import Trainer
@@ -120,8 +118,6 @@ def worker():
         if layout in ("cp1", "cp4_hybrid"):  # sampling: the same seed draws the same tokens at any layout
             sampled = gen.generate(prompts["1030"], NEW_TOKENS, Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=3))
             results[layout]["sampled"] = sampled.new_ids
-        cp_state.destroy_context_parallel()
-        parallel_state.destroy_model_parallel()
     write_results(opts.results_dir, results)
 
 

@@ -4,27 +4,18 @@ cp_ext.perf.comm, forward and backward, and with --documents (8 documents = the 
 the ring and all_gather compute fewer tiles and pairs, and the ring sends nothing."""
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launch import REPO_ROOT, run_script
 
 
 @pytest.fixture(scope="module")
-def bench():
-    out = Path(tempfile.mkdtemp(prefix="cp_ext_bench_")) / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "tools" / "bench_attention.py"), "--seq-length", "256", "--heads", "4", "--kv-heads", "2",
-           "--head-dim", "16", "--reps", "2", "--warmup", "1", "--ulysses-size", "2", "--json", str(out),
-           "--variants", "ideal,ring,compute,ulysses,hybrid,all_gather", "--documents", "8"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = run_script(4, REPO_ROOT / "tools" / "bench_attention.py", "--seq-length", "256", "--heads", "4", "--kv-heads",
+                      "2", "--head-dim", "16", "--reps", "2", "--warmup", "1", "--ulysses-size", "2", "--json", out,
+                      "--variants", "ideal,ring,compute,ulysses,hybrid,all_gather", "--documents", "8")
     return json.loads(out.read_text()), proc.stdout
 
 

@@ -11,7 +11,6 @@ import json
 import pytest
 
 from tests.launch import REPO_ROOT, run_script as _run
-from tests.test_bad_inputs import _crafted_checkpoint
 
 TOOL = REPO_ROOT / "tools" / "generate.py"
 TRAIN = ["--config", "configs/cpu_passkey.yaml", "--seq-length", "64", "--global-batch-size", "16",
@@ -66,10 +65,10 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
 ], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "temperature", "top-p", "top-k-greedy", "jsonl",
         "prompt-file", "other-model"])
-def test_bad_input_is_one_message(tmp_path, args, must_name):
+def test_bad_input_is_one_message(tmp_path, args, must_name, crafted_checkpoint):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    ckpt = _crafted_checkpoint(tmp_path / "ckpt", 5)
+    ckpt = crafted_checkpoint(tmp_path / "ckpt", 5)
     meta = ckpt / "iter_0000005" / "meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "model": {"hidden_size": 64}}))
     args = [str(jsonl) if a == "{jsonl}" else str(ckpt) if a == "{ckpt}" else a for a in args]

@@ -77,15 +77,6 @@ def _trainer(flags):
     return Trainer(parse_args(BASE + flags))
 
 
-def _teardown():
-    from megatron.core import parallel_state
-
-    from cp_ext import parallel_state as cp_state
-
-    cp_state.destroy_context_parallel()
-    parallel_state.destroy_model_parallel()
-
-
 def _train(trainer, until):
     losses = []
     while trainer.iteration < until:
@@ -108,7 +99,6 @@ def worker():
     out = {"bytes_per_rank": {}}
     trainer = _trainer(GRIDS["dp4_ep2"])
     out["uninterrupted"] = _train(trainer, 8)
-    _teardown()
 
     root = Path(tempfile.mkdtemp(prefix="cp_ext_reshard_")) if dist.get_rank() == 0 else None
     holder = [str(root) if root else None]
@@ -120,17 +110,14 @@ def worker():
             trainer = _trainer(GRIDS[source])
             _train(trainer, SAVED_AT)
             trainer.checkpointer.save(root / source)
-            _teardown()
             saved[source] = root / source
             if source.startswith("dp4"):
                 out["bytes_per_rank"][source] = _bytes_per_rank(saved[source] / f"iter_{SAVED_AT:07d}", 4)
         trainer = _trainer(GRIDS[target] + ["--load", str(saved[source])])
         start = trainer.iteration
         out[f"{source}-to-{target}"] = {"start_iteration": start, "losses": _train(trainer, 8)}
-        _teardown()
     trainer = _trainer(GRIDS["dp4_ep2"] + ["--load", str(saved["dp4_ep2"]), "--no-load-optim"])
     out["no-load-optim"] = {"losses": _train(trainer, 8)}
-    _teardown()
     write_results(opts.results_dir, out)
 
 

@@ -6,20 +6,20 @@ error, never a tracker rolled back; ``--load`` at one iteration's directory name
 a changed LR schedule without ``--override-opt_param-scheduler`` or
 ``--use-checkpoint-opt_param-scheduler`` is an error naming both. Files load with
 ``weights_only=True``: a crafted pickle is refused, a truncated file is named.
-Then real 2-rank runs: the two scheduler flags, ``--no-load-optim`` and ``--finetune``.
+Then real 2-rank runs of pretrain_moe.py (ranks forked with torchrun's environment, `tests.launch`):
+the two scheduler flags, ``--no-load-optim`` and ``--finetune``, SIGTERM, the save lock.
 """
 
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from cp_ext.arguments import ConfigError, parse_args
 from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script, start_script
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
@@ -115,11 +115,10 @@ def test_a_checkpoint_of_the_old_per_rank_format_is_named(tmp_path):
 
 
 def _run(*args, fails=False, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--expert-model-parallel-size", "2", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **(env or {}))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
-    assert (proc.returncode != 0) == fails, proc.stderr[-6000:]  # torchrun reports a rank's exit 2 as 1
+    """pretrain_moe.py on 2 ranks (EP2), torchrun's environment (`tests.launch.run_script`)."""
+    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--expert-model-parallel-size", "2", *args,
+                      check=False, env=env)
+    assert (proc.returncode != 0) == fails, proc.stderr[-6000:]  # like torchrun, a rank's exit 2 reads as 1
     return proc
 
 
@@ -203,25 +202,21 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     import time
 
     save, log_dir = tmp_path / "ck", tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--expert-model-parallel-size", "2", "--train-iters", "40",
-           "--lr-decay-iters", "40", "--exit-signal-handler", "--save", save, "--log-dir", log_dir]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    run = start_script(2, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--expert-model-parallel-size", "2", "--train-iters",
+                       "40", "--lr-decay-iters", "40", "--exit-signal-handler", "--save", save, "--log-dir", log_dir)
     metrics = log_dir / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and run.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = run.rank_pids()
     assert len(workers) == 2, workers
-    for pid in workers:
-        os.kill(int(pid), signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-4000:]
-    assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in stdout
+    for pid in workers.values():
+        os.kill(pid, signal.SIGTERM)
+    proc = run.finish(300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in proc.stdout
     stopped = int((save / TRACKER).read_text())
     assert 3 <= stopped < 40 and max(_metrics(log_dir)) == stopped
 

@@ -2,39 +2,29 @@
 distributed optimizer); a kill inside a save leaves the last good checkpoint; a checkpoint
 loads at another TP and CP size through the command line.
 
-Real runs of pretrain_moe.py under torchrun (2 gloo ranks, EP2), real files. Resharding
+Real runs of pretrain_moe.py (2 gloo ranks, EP2, forked with torchrun's environment: `tests.launch`),
+real files. Resharding
 across every dimension: test_checkpoint_resharding.py.
 """
 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script, start_script
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
          "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1"]
 
 
-def _torchrun(nproc, *args, script=None, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(script or REPO_ROOT / "pretrain_moe.py"), *FLAGS, *map(str, args)]
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), **(env or {}))
-    return cmd, run_env
-
-
-def _train(nproc, *args, **kw):
-    cmd, env = _torchrun(nproc, *args, **kw)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
+def _train(nproc, *args, script=None, env=None, check=True):
+    return run_script(nproc, script or REPO_ROOT / "pretrain_moe.py", *FLAGS, *args, env=env, check=check)
 
 
 def _losses(log_dir):
@@ -65,18 +55,15 @@ def uninterrupted_distributed(tmp_path_factory):
 def test_kill_9_then_resume_matches_uninterrupted(request, tmp_path, optimizer):
     uninterrupted = request.getfixturevalue("uninterrupted_distributed" if optimizer else "uninterrupted")
     save, log_dir = tmp_path / "ckpt", tmp_path / "run"
-    cmd, env = _torchrun(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save, "--save-interval",
-                         "2", *optimizer)
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    run = start_script(2, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--expert-model-parallel-size", "2", "--log-dir",
+                       log_dir, "--save", save, "--save-interval", "2", *optimizer)
     tracker = save / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and run.poll() is None:
         if tracker.exists() and int(tracker.read_text()) >= 4:
             break
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank, mid-run
-    proc.wait()
+    run.kill()  # every rank, mid-run
     killed_at = max(_losses(log_dir))
     resumed_from = int(tracker.read_text())
     assert 4 <= resumed_from < 8, f"the kill landed after the run finished ({resumed_from}); make the run longer"
@@ -89,9 +76,8 @@ def test_kill_9_then_resume_matches_uninterrupted(request, tmp_path, optimizer):
 
 def test_kill_inside_a_save_keeps_the_last_good_checkpoint(uninterrupted, tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "run"
-    cmd, env = _torchrun(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save,
-                         "--save-interval", "2", script=__file__, env={"KILL_AT_SAVE": "2"})
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    proc = _train(2, "--expert-model-parallel-size", "2", "--log-dir", log_dir, "--save", save, "--save-interval", "2",
+                  script=__file__, env={"KILL_AT_SAVE": "2"}, check=False)
     assert proc.returncode != 0, "the worker should have died inside its second save"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (save / "iter_0000004.tmp").exists() and not (save / "iter_0000004").exists()

@@ -6,15 +6,12 @@ collective of rank 0 runs on some megatron or cp_ext group; each must carry the 
 rank 0 must exit non-zero within the timeout plus a minute, saying which flag ran out.
 """
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, start_script
 
 TIMEOUT_MINUTES = 1
 
@@ -29,33 +26,22 @@ def _wait_for(predicate, seconds, what):
 
 
 def test_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO_ROOT / "pretrain_moe.py"), "--num-experts", "4", "--train-iters", "100000",
-           "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), "--log-dir", str(tmp_path / "run")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    with open(out, "w") as stdout, open(err, "w") as stderr:
-        job = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=REPO_ROOT, start_new_session=True)
-    ranks = {}
+    job = start_script(2, REPO_ROOT / "pretrain_moe.py", "--num-experts", "4", "--train-iters", "100000",
+                       "--distributed-timeout-minutes", TIMEOUT_MINUTES, "--log-dir", tmp_path / "run")
+    out = job.log_dir / "rank0.out"
     try:
-        _wait_for(lambda: "iteration        3/" in out.read_text() or job.poll() is not None, 240, "iteration 3")
-        assert job.poll() is None, err.read_text()[-3000:]
-        ranks.update({p.environ().get("RANK"): p for p in psutil.Process(job.pid).children(recursive=True)
-                      if p.environ().get("RANK") is not None})
+        _wait_for(lambda: (out.exists() and "iteration        3/" in out.read_text()) or job.poll() is not None, 240,
+                  "iteration 3")
+        assert job.poll() is None, job.logs()
+        ranks = {str(r): psutil.Process(pid) for r, pid in job.rank_pids().items()}
         ranks["1"].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         _wait_for(lambda: not ranks["0"].is_running() or ranks["0"].status() == psutil.STATUS_ZOMBIE,
                   TIMEOUT_MINUTES * 60 + 90, "rank 0 to give up")
         waited = time.monotonic() - stopped
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the stopped rank cannot act on torchrun's SIGTERM
-        for rank in ranks.values():  # torchrun starts its ranks in sessions of their own: killpg misses them
-            try:
-                rank.kill()
-            except psutil.NoSuchProcess:
-                pass
-        job.wait()
-    text = err.read_text()
+        job.kill()  # every rank, the stopped one too (SIGKILL needs no cooperation)
+    text = job.output("err")
     assert waited < TIMEOUT_MINUTES * 60 + 60, f"rank 0 gave up after {waited:.0f} s"
     assert f"rank 0: a collective waited longer than --distributed-timeout-minutes {TIMEOUT_MINUTES}" in text, text[-3000:]
     assert "[rank0]: Traceback" not in text

@@ -61,15 +61,10 @@ def test_skip_train_at_another_cp_size_gives_the_same_value(results):
 
 def test_a_split_too_small_for_eval_iters_is_one_clear_error(tmp_path):
     """Known only once the data is open: still before training, one message from rank 0, exit 2 per rank."""
-    import os
-    import subprocess
+    from tests.launch import REPO_ROOT, run_script
 
-    from tests.launch import REPO_ROOT
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), *BASE, "--eval-iters", "100000", "--log-dir", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", *BASE, "--eval-iters", "100000", "--log-dir", tmp_path,
+                      torchrun=True, check=False, timeout=300)  # torchrun's own report names each rank's exit 2
     assert proc.returncode != 0 and "training:" not in proc.stdout
     assert proc.stderr.count("--eval-iters 100000 x --global-batch-size 4 = 400000 valid samples") == 1, proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr and "[rank0]: Traceback" not in proc.stderr
@@ -77,18 +72,12 @@ def test_a_split_too_small_for_eval_iters_is_one_clear_error(tmp_path):
 
 def _run(tmp_path, name, *flags):
     import json
-    import os
-    import subprocess
 
-    from tests.launch import REPO_ROOT
+    from tests.launch import REPO_ROOT, run_script
 
     log_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "pretrain_moe.py"), *BASE, "--eval-interval", "2", "--context-parallel-size", "2",
-           "--log-dir", str(log_dir), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", *BASE, "--eval-interval", "2", "--context-parallel-size", "2",
+                      "--log-dir", log_dir, *flags, timeout=300)
     lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     return proc.stdout, {(r["iteration"], k): v for r in lines for k, v in r.items() if k.startswith(("valid/", "test/"))}
 
@@ -120,15 +109,6 @@ def _trainer(flags):
     from cp_ext.training.trainer import Trainer
 
     return Trainer(parse_args(BASE + flags))
-
-
-def _teardown():
-    from megatron.core import parallel_state
-
-    from cp_ext import parallel_state as cp_state
-
-    cp_state.destroy_context_parallel()
-    parallel_state.destroy_model_parallel()
 
 
 def _mask_second_half(seq):
@@ -172,15 +152,12 @@ def worker():
                 with_eval.append(trainer.train_step()["lm loss"])
                 evaluate(trainer, trainer.eval_datasets["valid"], trainer.args.eval_iters)
             out[name]["train_with_eval"] = with_eval
-        _teardown()
         if name == "cp2_ring":
             trainer = _trainer(flags)
             out[name]["train_without_eval"] = [trainer.train_step()["lm loss"] for _ in range(4)][2:]
-            _teardown()
     trainer = _trainer(GRIDS["cp4_u2r2"] + ["--load", str(save), "--skip-train", "--log-dir", str(save.parent / "log")])
     values = trainer.evaluate_only()
     out["skip_train_cp4"] = {"valid": values["valid"], "iteration": trainer.iteration}
-    _teardown()
     write_results(opts.results_dir, out)
 
 

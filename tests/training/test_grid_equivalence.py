@@ -11,6 +11,9 @@ right if megatron's finalize_model_grads sums them over TP. The CP layouts cover
 ring, Ulysses and the hybrid through the real model (RoPE at global positions, sharded
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out.
+
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 26
+layouts), each on its own grid of the same ranks, one after another.
 """
 
 import math
@@ -78,83 +81,71 @@ DOCUMENTS = {
 LAYOUTS.update({name: (n, flags + DOC_FLAGS) for name, (n, flags) in DOCUMENTS.items()})
 
 
-def write_short_documents(prefix, num_documents=300, seed=5):
-    """An indexed dataset (ByteTokenizer ids) of documents of 1-12 tokens, each ending with EOD."""
-    import numpy as np
-
-    from cp_ext.data.indexed import IndexedDatasetWriter
-    from cp_ext.data.tokenizers import build_tokenizer
-
-    eod = build_tokenizer("ByteTokenizer", None).eod
-    rng = np.random.default_rng(seed)
-    writer = IndexedDatasetWriter(str(prefix), np.uint16)
-    for _ in range(num_documents):
-        writer.add(np.append(rng.integers(32, 127, rng.integers(0, 12)), eod))
-    writer.finalize()
-    writer.commit()
-    return str(prefix)
+UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
+RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
+RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
+RUNS[UNMASKED_DOCS] = (1, [], "docs")
 
 
 @pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
-    return write_short_documents(tmp_path_factory.mktemp("short_docs") / "docs")
+def runs(short_documents):
+    """``runs(name)``: (rank 0's metrics, full gradients) of layout ``name``; one launch per world size."""
+    done = {}
+
+    def get(name):
+        world = RUNS[name][0]
+        if world not in done:
+            names = [n for n, (size, _, _) in RUNS.items() if size == world]
+            results = launch(__file__, world, "--layouts", ",".join(names), "--docs", short_documents, timeout=900)
+            done[world] = {n: _gather(results, n, world) for n in names}
+        return done[world][name]
+
+    return get
 
 
-def _run(name, *extra):
-    nproc, flags = LAYOUTS[name]
-    results = launch(__file__, nproc, *MODEL, *flags, *extra, timeout=600)
+def _gather(results, name, nproc):
+    flags = RUNS[name][1]
     out_dir = Path(results[0]["results_dir"])
     if "--use-distributed-optimizer" in flags:
         # Its reduce-scatter leaves each DP rank only its own shard of the reduced gradient
         # (the rest of the buffer holds local partial sums), so gradients are compared through
         # the grad norm and the losses of the following iterations.
-        return results[0], None
+        return results[0][name], None
     full = {}
     for rank in range(nproc):
-        for unit, (shape, index, values) in torch.load(out_dir / f"grads_rank{rank}.pt", weights_only=False).items():
+        for unit, (shape, index, values) in torch.load(out_dir / f"grads_{name}_rank{rank}.pt", weights_only=False).items():
             for idx, val in zip(index, values):
                 full.setdefault(unit, torch.zeros(shape, dtype=torch.float64))[idx] = val.double()
-    return results[0], full
+    return results[0][name], full
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _run("tp1pp1dp1")
+@pytest.mark.quick
+def test_cp2_ring_matches_single_process(runs):
+    _assert_same(runs("cp2_ring"), runs("tp1pp1dp1"))
 
 
-@pytest.fixture(scope="module")
-def masked_reference():
-    return _run("cp1_masked")
-
-
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "tp1pp1dp1" and k not in MASKED and k not in DOCUMENTS])
-def test_layout_matches_single_process(layout, reference):
-    _assert_same(_run(layout), reference)
-
-
-@pytest.fixture(scope="module")
-def documents_reference(short_documents):
-    return _run("cp1_docs", "--data-path", short_documents)
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k not in ("tp1pp1dp1", "cp2_ring") and k not in MASKED
+                                    and k not in DOCUMENTS])
+def test_layout_matches_single_process(layout, runs):
+    _assert_same(runs(layout), runs("tp1pp1dp1"))
 
 
 @pytest.mark.parametrize("layout", [k for k in DOCUMENTS if k != "cp1_docs"])
-def test_packed_documents_match_single_process(layout, documents_reference, short_documents):
-    _assert_same(_run(layout, "--data-path", short_documents), documents_reference)
+def test_packed_documents_match_single_process(layout, runs):
+    _assert_same(runs(layout), runs("cp1_docs"))
 
 
-def test_packed_documents_change_training(documents_reference, short_documents):
+def test_packed_documents_change_training(runs):
     """Without the flags the same data trains differently: the comparisons above see the masks."""
-    nproc, flags = DOCUMENTS["cp1_docs"]
-    unmasked = launch(__file__, nproc, *MODEL, *flags, "--data-path", short_documents, timeout=600)[0]
-    for a, b in zip(unmasked["lm loss"], documents_reference[0]["lm loss"]):
+    for a, b in zip(runs(UNMASKED_DOCS)[0]["lm loss"], runs("cp1_docs")[0]["lm loss"]):
         assert abs(a - b) > 1e-3 * abs(b), (a, b)
 
 
-def test_fully_masked_cp_shard(masked_reference):
-    result = _run("cp2_contiguous_masked")
+def test_fully_masked_cp_shard(runs):
+    result = runs("cp2_contiguous_masked")
     run = result[0]
     assert all(math.isfinite(x) for x in run["lm loss"] + run["grad norm"])
-    _assert_same(result, masked_reference)
+    _assert_same(result, runs("cp1_masked"))
 
 
 def _assert_same(result, reference):
@@ -187,39 +178,59 @@ def _grad_slices(model):
     return out
 
 
-def worker():
-    import os
-    import warnings
-
-    warnings.simplefilter("ignore")
+def _train(name, args):
+    """Three iterations of layout ``name`` on this launch's ranks: (metrics, iteration 1's grads)."""
+    import cp_ext.training.trainer as trainer_module
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
 
-    opts = worker_args(sys.argv[1:])
-    mask_second_half = MASK_SECOND_HALF in opts.extra
-    trainer = Trainer(parse_args([a for a in opts.extra if a != MASK_SECOND_HALF]))
+    mask_second_half = MASK_SECOND_HALF in args
+    trainer = Trainer(parse_args([a for a in args if a != MASK_SECOND_HALF]))
+    real_microbatches = trainer_module.microbatches
     if mask_second_half:
-        import cp_ext.training.trainer as trainer_module
-
-        real_microbatches = trainer_module.microbatches
         seq = trainer.args.seq_length
 
-        def masked(*args, **kwargs):
-            for mb in real_microbatches(*args, **kwargs):
+        def masked(*a, **kw):
+            for mb in real_microbatches(*a, **kw):
                 mb.loss_mask[mb.position_ids >= seq // 2] = 0.0
                 yield mb
 
         trainer_module.microbatches = masked
-    history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
-    for _ in range(3):
-        metrics = trainer.train_step()
-        for key in history:
-            history[key].append(metrics[key])
-        if grads is None:
-            grads = _grad_slices(trainer.model[0].module)
-    torch.save(grads, Path(opts.results_dir, f"grads_rank{os.environ['RANK']}.pt"))
-    write_results(opts.results_dir, {**history, "results_dir": opts.results_dir})
-    trainer.shutdown()
+    try:
+        history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
+        for _ in range(3):
+            metrics = trainer.train_step()
+            for key in history:
+                history[key].append(metrics[key])
+            if grads is None:
+                grads = _grad_slices(trainer.model[0].module)
+    finally:
+        trainer_module.microbatches = real_microbatches
+    trainer.shutdown(keep_process_group=True)
+    return history, grads
+
+
+def worker():
+    import argparse
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    opts = worker_args(sys.argv[1:])
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", required=True)
+    p.add_argument("--docs", required=True)
+    extra = p.parse_args(opts.extra)
+    results = {"results_dir": opts.results_dir}
+    for name in extra.layouts.split(","):
+        _, flags, data = RUNS[name]
+        args = MODEL + flags + (["--data-path", extra.docs] if data == "docs" else [])
+        results[name], grads = _train(name, args)
+        torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+    write_results(opts.results_dir, results)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

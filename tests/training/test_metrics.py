@@ -5,13 +5,11 @@ Real pretrain_moe.py runs and real wandb (offline / disabled / online without a 
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "2", "--seed", "3"]
@@ -20,14 +18,12 @@ KEYS = {"iteration", "train/lm_loss", "train/load_balancing_loss", "train/grad_n
 
 
 def _train(log_dir, *args, nproc=1, wandb_mode=None, extra_env=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", **(extra_env or {}))
+    env = dict(WANDB_SILENT="true", **(extra_env or {}))
     if wandb_mode:
         env["WANDB_MODE"] = wandb_mode
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--log-dir", str(log_dir), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    unset = [k for k in os.environ if k.startswith("WANDB_") and k not in env]
+    proc = run_script(nproc, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--log-dir", log_dir, *args, env=env, unset=unset,
+                      timeout=300)
     records = [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
     return proc, records
 

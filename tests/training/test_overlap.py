@@ -118,9 +118,7 @@ def _run_case(flags, counts):
     import functools
 
     import cp_ext.training.trainer as trainer_module
-    from megatron.core import parallel_state
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
 
     real_config = trainer_module.DistributedDataParallelConfig
@@ -146,8 +144,6 @@ def _run_case(flags, counts):
     if ddp.ddp_config.use_distributed_optimizer:
         ddp.start_param_sync(force_sync=True)  # with overlap, the last step's all-gather waits for a next forward
     params = {name: p.detach().clone() for name, p in ddp.module.named_parameters()}
-    cp_state.destroy_context_parallel()
-    parallel_state.destroy_model_parallel()
     return record, grads, params
 
 

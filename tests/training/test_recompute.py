@@ -1,8 +1,8 @@
 """Activation recompute is exact: every recompute mode gives the run without recompute.
 
-One launch per grid (CP1, CP2 ring, CP4 = U2 x R2, PP2 x CP2, TP2 x CP2 + SP with EP2) trains the
-same small MoE GPT for 3 iterations in fp32 once per recompute mode, on the same process
-groups, and compares each mode with the mode-less run of the same grid, rank by rank: the
+One launch per world size (CP1; CP2 ring; CP4 = U2 x R2, PP2 x CP2 and TP2 x CP2 + SP with EP2) trains the
+same small MoE GPT for 3 iterations in fp32 once per recompute mode and grid, on the same
+ranks, and compares each mode with the mode-less run of the same grid, rank by rank: the
 global lm loss, the MoE load-balancing loss and the grad norm of every iteration, and every
 parameter's gradient after iteration 1, within 1e-6 relative.
 
@@ -21,7 +21,6 @@ without CP-aware full recompute, and the CP2 launch the same with ``--cp-comm-ty
 import sys
 
 import pytest
-import torch
 
 from tests.launch import launch, worker_args, write_results
 
@@ -87,17 +86,24 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
-    from tests.training.test_grid_equivalence import write_short_documents
+def launches(short_documents):
+    """{grid: results}, filled one world size at a time: the grids of a size share one launch."""
+    done = {}
 
-    return write_short_documents(tmp_path_factory.mktemp("recompute_docs") / "docs")
+    def get(grid):
+        if grid not in done:
+            world = GRIDS[grid][0]
+            names = [g for g, (n, _) in GRIDS.items() if n == world]
+            results = launch(__file__, world, "--grids", ",".join(names), "--docs", short_documents, timeout=1200)
+            done.update({g: {rank: res[g] for rank, res in results.items()} for g in names})
+        return done[grid]
+
+    return get
 
 
-@pytest.fixture(scope="module", params=list(GRIDS))
-def grid_results(request, short_documents):
-    nproc, flags = GRIDS[request.param]
-    results = launch(__file__, nproc, "--grid", request.param, "--docs", short_documents, timeout=900)
-    return request.param, results
+@pytest.fixture(params=list(GRIDS))
+def grid_results(request, launches):
+    return request.param, launches(request.param)
 
 
 def _check_pair(results, mode, base):
@@ -162,9 +168,7 @@ def _local_grads(trainer):
 
 
 def _run_mode(base_flags, mode_flags):
-    from megatron.core import parallel_state
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
     from cp_ext.perf.counter import count_comm
     from cp_ext.training.trainer import Trainer
@@ -197,8 +201,6 @@ def _run_mode(base_flags, mode_flags):
     record["replayed"] = sum(k.replayed for k in kept)
     record["distributed_splits"] = splits["n"]
     mcore_random.split_tensor_into_1d_equal_chunks = real_split
-    cp_state.destroy_context_parallel()
-    parallel_state.destroy_model_parallel()
     return record, grads
 
 
@@ -213,15 +215,9 @@ def _compare_grads(grads, ref):
     return worst, where
 
 
-def worker():
-    import warnings
-
-    warnings.simplefilter("ignore")
-    opts = worker_args(sys.argv[1:])
-    grid = opts.extra[opts.extra.index("--grid") + 1]
+def _grid_records(grid, docs):
     grid_flags = GRIDS[grid][1]
     base, dense = MODEL + grid_flags, DENSE_MODEL + grid_flags
-    docs = ["--data-path", opts.extra[opts.extra.index("--docs") + 1]]
     runs = {name: (base, flags) for name, flags in MODES.items()}
     pairs = list(PAIRS)
     if grid in DOC_GRIDS:
@@ -237,7 +233,17 @@ def worker():
     for mode, ref in pairs:
         records[mode]["grad_rel_err"], records[mode]["grad_worst"] = _compare_grads(grads[mode], grads[ref])
         records[mode]["grads_compared"] = len(grads[ref])
-    write_results(opts.results_dir, records)
+    return records
+
+
+def worker():
+    import warnings
+
+    warnings.simplefilter("ignore")
+    opts = worker_args(sys.argv[1:])
+    grids = opts.extra[opts.extra.index("--grids") + 1].split(",")
+    docs = ["--data-path", opts.extra[opts.extra.index("--docs") + 1]]
+    write_results(opts.results_dir, {grid: _grid_records(grid, docs) for grid in grids})
 
 
 if __name__ == "__main__":

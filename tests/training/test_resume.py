@@ -1,28 +1,21 @@
 """Resuming never destroys logs or repeats data; a new run never writes over an old one's logs.
 
-Real `pretrain_moe.py` runs on one rank started with plain ``python`` (no torchrun), a real
-checkpoint, and the run directory a user would reuse.
+Real `pretrain_moe.py` runs on one rank as plain ``python`` runs it (no torchrun environment; forked
+from the suite's pre-imported server, `tests.launch`), a real checkpoint, and the run directory a
+user would reuse.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--seed", "3"]
 
 
 def _train(log_dir, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, str(REPO_ROOT / "pretrain_moe.py"), *FLAGS, "--log-dir", str(log_dir), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return proc
+    return run_script(0, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--log-dir", log_dir, *args, timeout=300)
 
 
 def _iterations(path):

@@ -89,10 +89,8 @@ def test_moe_losses_are_reported(runs):
 
 def _run(flags):
     import torch
-    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from cp_ext import parallel_state as cp_state
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
 
@@ -105,8 +103,6 @@ def _run(flags):
         if iteration == 0:  # later ones differ by the rounding the first step's update carries
             grads = {name: p.main_grad.detach().double().clone() for name, p in module.named_parameters()}
     buffers = {name: b.detach().double().clone() for name, b in module.named_buffers() if "expert_bias" in name}
-    cp_state.destroy_context_parallel()
-    parallel_state.destroy_model_parallel()
     get_moe_layer_wise_logging_tracker().clear()  # process-wide: the next Trainer tracks its own losses
     torch.distributed.barrier()
     return metrics, grads, buffers
