@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.reference import check_bounds, error_stats, merge_sensitivity, summation_order_perms  # noqa: E402
+from tests.attention.reference import (  # noqa: E402
+    check_bounds, error_stats, in_order, merge_sensitivity, reference_orders, summation_order_perms,
+)
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -172,21 +174,21 @@ def _run_case(case, groups, rank):
     k, v = (torch.randn(S, 2, hk, d, generator=gen, dtype=torch.float64) for _ in range(2))
     ids = full_document_ids(case["docs"], seed=zlib.crc32(case["name"].encode()))
     truth = reference(q, k, v, dout, ids, case["causal"], torch.float64)
-    ref = reference(q, k, v, dout, ids, case["causal"], torch.float32)
+    refs = [in_order(lambda *x: reference(*x, ids, case["causal"], torch.float32), perms, q, k, v, dout)
+            for perms in reference_orders(16)]
     positions = _positions(case["variant"], rank)
-    perms = summation_order_perms(16)
-    qk_perm, v_perm = perms if perms is not None else (slice(None), slice(None))
     sh = lambda x: x.index_select(0, positions)  # noqa: E731
-    ql, kl = (sh(x)[..., qk_perm].to(dtype).requires_grad_() for x in (q, k))
-    vl = sh(v)[..., v_perm].to(dtype).requires_grad_()
-    out = _attn(case, groups, rank, ids[:, positions], positions)(ql, kl, vl)
-    out.backward(sh(dout)[..., v_perm].to(dtype))
-    got = [out.detach(), ql.grad, kl.grad, vl.grad]
-    if perms is not None:
-        inv = [torch.argsort(p) for p in perms]
-        got = [g[..., inv[1 if i in (0, 3) else 0]] for i, g in enumerate(got)]
+    attn = _attn(case, groups, rank, ids[:, positions], positions)
+
+    def cp(ql, kl, vl, doutl):
+        ql, kl, vl = (x.to(dtype).requires_grad_() for x in (ql, kl, vl))
+        out = attn(ql, kl, vl)
+        out.backward(doutl.to(dtype))
+        return [out.detach(), ql.grad, kl.grad, vl.grad]
+
+    got = in_order(cp, summation_order_perms(16), sh(q), sh(k), sh(v), sh(dout))
     padding = (ids[:, positions] < 0).t()  # [s_local, b]
-    res = error_stats(got, truth, ref, positions)
+    res = error_stats(got, truth, refs, positions)
     res["merge_g"] = merge_sensitivity(q, k, v, dout, document_mask(ids, case["causal"]), 16 ** -0.5)
     res["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
     res["padding_max"] = max([g[padding].abs().max().item() for g in got[:2] if padding.any()] + [0.0])
