@@ -28,6 +28,14 @@ def pytest_configure(config):
         os.environ["TMPDIR"] = tempfile.tempdir = root
 
 
+def pytest_collection_finish(session):
+    """A module with a ``start_early()`` (a run that mostly waits, e.g. for a timeout) starts it now,
+    so its waiting overlaps the rest of the session; its test then checks what it saw."""
+    for module in dict.fromkeys(item.module for item in session.items if hasattr(item, "module")):
+        if hasattr(module, "start_early") and not session.config.option.collectonly:
+            module.start_early()
+
+
 def pytest_sessionfinish(session, exitstatus):
     launch.shutdown()  # the fork server and every launch's temp directory
     for root in _OWNED:
@@ -54,6 +62,17 @@ def write_short_documents(prefix, num_documents=300, seed=5):
     writer.finalize()
     writer.commit()
     return str(prefix)
+
+
+def quick_session(config) -> bool:
+    """True under ``pytest -m quick``: launch fixtures then run only the cases quick tests read."""
+    return (config.option.markexpr or "").strip() == "quick"
+
+
+@pytest.fixture(scope="session")
+def quick(request):
+    """`quick_session` as a fixture: a launch fixture passes ``cases=QUICK if quick else None``."""
+    return quick_session(request.config)
 
 
 @pytest.fixture(scope="session")

@@ -17,12 +17,12 @@ where what torchrun itself does is under test (``torchrun=True``: its messages, 
 
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +40,11 @@ def session_dir() -> Path:
 
 
 class ForkServer:
-    """The client side of `tests.forkserver`: started once, runs every forked run of the session."""
+    """The client side of `tests.forkserver`: started once, runs every forked run of the session.
+
+    Thread-safe (a test may watch a run from a thread while others start): one reader thread
+    files the server's replies, start requests are serialized, waits block on a condition.
+    """
 
     def __init__(self):
         self.log_path = session_dir() / "forkserver.log"
@@ -53,48 +57,52 @@ class ForkServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, cwd=REPO_ROOT, env=env,
                                      start_new_session=True)
-        self._pending, self._exits = b"", {}
-        if self._reply(timeout=300) is None:
-            raise RuntimeError(f"the test fork server did not start:\n{self.log_path.read_text()[-4000:]}")
+        self._changed, self._requests = threading.Condition(), threading.Lock()
+        self._ready, self._dead, self._started, self._exits = False, False, [], {}
+        threading.Thread(target=self._read_replies, daemon=True, name="forkserver-replies").start()
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready or self._dead, timeout=300)
+        if not self._ready:
+            raise RuntimeError(f"the test fork server did not start:\n{self._log_tail()}")
 
-    def _reply(self, timeout):
-        """The next JSON line from the server, or None after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                self._log.flush()
-                raise RuntimeError(f"the test fork server died:\n{self.log_path.read_text()[-4000:]}")
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return json.loads(line)
+    def _log_tail(self):
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def _read_replies(self):
+        for line in self.proc.stdout:  # {"ready": pid} once, {"pid": p} per start, {"pid": p, "exit": c}
+            reply = json.loads(line)
+            with self._changed:
+                if "ready" in reply:
+                    self._ready = True
+                elif "exit" in reply:
+                    self._exits[reply["pid"]] = reply["exit"]
+                else:
+                    self._started.append(reply["pid"])
+                self._changed.notify_all()
+        with self._changed:
+            self._dead = True
+            self._changed.notify_all()
 
     def start(self, request):
         """Start a run; returns its leader's pid (a process group: ``killpg`` ends the whole run)."""
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-        while True:
-            reply = self._reply(timeout=60)
-            if reply is None:
-                raise RuntimeError("the test fork server did not answer a start request within 60 s")
-            if "exit" in reply:
-                self._exits[reply["pid"]] = reply["exit"]
-            else:
-                return reply["pid"]
+        with self._requests:  # the server answers start requests in order
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._started or self._dead, timeout=60):
+                    raise RuntimeError("the test fork server did not answer a start request within 60 s")
+                if not self._started:
+                    raise RuntimeError(f"the test fork server died:\n{self._log_tail()}")
+                return self._started.pop(0)
 
     def wait(self, pid, timeout):
         """The run's exit code, or None if it is still running after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while pid not in self._exits:
-            reply = self._reply(max(0.0, deadline - time.monotonic()))
-            if reply is None:
-                return None
-            if "exit" in reply:
-                self._exits[reply["pid"]] = reply["exit"]
-        return self._exits.pop(pid)
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self._dead, timeout=timeout)
+            if pid not in self._exits and self._dead:
+                raise RuntimeError(f"the test fork server died:\n{self._log_tail()}")
+            return self._exits.pop(pid, None)
 
     def close(self):
         if self.proc.poll() is None:
@@ -107,9 +115,13 @@ class ForkServer:
         self._log.close()
 
 
+_STARTING = threading.Lock()
+
+
 def _server() -> ForkServer:
-    if "server" not in _SESSION:
-        _SESSION["server"] = ForkServer()
+    with _STARTING:
+        if "server" not in _SESSION:
+            _SESSION["server"] = ForkServer()
     return _SESSION["server"]
 
 
@@ -192,14 +204,19 @@ class Run:
         return subprocess.CompletedProcess(self.what, code, self.output("out"), self.output("err"))
 
 
-def launch(script, nproc, *args, timeout=900, env=None):
+def launch(script, nproc, *args, cases=None, timeout=900, env=None):
     """Run the worker `script` on `nproc` gloo ranks; return {rank: results} as written by each rank.
+
+    ``cases``: names of the only cases the worker runs (`selected`), e.g. the quick subset's;
+    None runs them all.
 
     A failed launch raises AssertionError with every rank's last lines, and a launch that runs
     past ``timeout`` seconds is killed and reported with each rank's stack at that moment (so a
     hang names the collective it hangs in). The results directory lives until the session ends.
     """
     out_dir = Path(tempfile.mkdtemp(prefix="launch_", dir=session_dir()))
+    if cases is not None:
+        args = (*args, "--cases", ",".join(cases))
     run = Run(script, nproc, ["--results-dir", out_dir, *args], env=env, log_dir=out_dir / "logs")
     proc = run.finish(timeout)
     if proc.returncode != 0:
@@ -241,14 +258,44 @@ def run_script(nproc, script, *args, check=True, timeout=600, env=None, unset=()
     return proc
 
 
+def run_code(code, *args, check=True, timeout=300, env=None, unset=()):
+    """Python source run as a script of its own (`run_script` with ``nproc`` 0: forked from the
+    pre-imported server, a fresh process for whatever the code changes): a CompletedProcess."""
+    import textwrap
+
+    path = Path(tempfile.mkstemp(prefix="code_", suffix=".py", dir=session_dir())[1])
+    path.write_text(textwrap.dedent(code))
+    return run_script(0, path, *args, check=check, timeout=timeout, env=env, unset=unset)
+
+
+def fork_workers(script, nproc, args, timeout=600, env=None):
+    """`cp_ext.perf.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
+    on ``nproc`` ranks, each rank's ``DIR/rank{r}.json`` in rank order. For tests of what a tool
+    measures; tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
+    out = Path(tempfile.mkdtemp(prefix="workers_", dir=session_dir()))
+    run_script(nproc, script, "--worker", "--out", out, *args, timeout=timeout, env=env)
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
 def worker_args(argv=None):
-    """Parse the arguments `launch` passes to a worker: --results-dir plus free-form extras."""
+    """Parse the arguments `launch` passes to a worker: --results-dir, --cases, free-form extras."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--results-dir", required=True)
+    parser.add_argument("--cases", type=lambda names: names.split(","), default=None)
     args, args.extra = parser.parse_known_args(argv)
     return args
+
+
+def selected(cases, args):
+    """The cases (dicts with a "name") the worker was asked for: all, or those named by --cases."""
+    if args.cases is None:
+        return list(cases)
+    chosen = [case for case in cases if case["name"] in args.cases]
+    missing = set(args.cases) - {case["name"] for case in chosen}
+    assert not missing, f"no such cases: {sorted(missing)}"
+    return chosen
 
 
 def write_results(results_dir, results):

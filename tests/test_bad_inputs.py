@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 
 
@@ -114,14 +114,20 @@ def _run(cmd, tmp_path, yaml_text=None, env=None):
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory, crafted_checkpoint):
-    """All rows, two at a time (each is a separate Python process)."""
+    """All rows, two at a time, each ``python pretrain_moe.py ...`` in a process of its own (forked
+    from the pre-imported server: `run_script`; the version check below starts a real interpreter)."""
     def one(case):
         argv, yaml_text, _ = CASES[case]
         tmp = tmp_path_factory.mktemp(case)
         argv = [a.replace("{ckpt}", str(crafted_checkpoint(tmp / "ckpt", 5))) for a in argv]
         if any("{no_eod}" in a for a in argv):
             argv = [a.replace("{no_eod}", str(_tokenizer_without_eod(tmp / "no_eod"))) for a in argv]
-        return case, _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), *argv], tmp, yaml_text)
+        if yaml_text is not None:
+            (tmp / "run.yaml").write_text(yaml_text)
+            argv += ["--config", str(tmp / "run.yaml")]
+        start = time.perf_counter()
+        proc = run_script(0, REPO_ROOT / "pretrain_moe.py", *argv, check=False, timeout=120, cwd=tmp)
+        return case, (proc, time.perf_counter() - start)
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(one, CASES))

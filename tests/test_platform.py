@@ -1,20 +1,14 @@
 """cp_ext.platform: megatron-core's CUDA assumptions met on CPU, and undone cleanly.
 
-Runs in a subprocess per test so the process-wide mode never leaks into other tests.
+Each test runs in a process of its own (`run_code`) so the process-wide mode never leaks into
+other tests.
 """
 
-import subprocess
-import sys
-import textwrap
-
-
-from tests.launch import REPO_ROOT
+from tests.launch import run_code
 
 
 def _run(code):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+    return run_code(code).stdout
 
 
 def test_cuda_requests_land_on_cpu():

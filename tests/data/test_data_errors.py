@@ -1,15 +1,13 @@
 """Bad data input stops at argument validation with a message naming the file or flag and the fix."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from cp_ext.arguments import ConfigError, parse_args
 from cp_ext.data.indexed import write_indexed_dataset
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 
 @pytest.fixture
@@ -143,8 +141,6 @@ def test_seq_length_the_cp_layout_cannot_split():
 
 
 def test_pretrain_prints_once_and_exits_2(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "pretrain_moe.py", "--data-path", str(tmp_path / "missing")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    proc = run_script(0, REPO_ROOT / "pretrain_moe.py", "--data-path", tmp_path / "missing", check=False)
     assert proc.returncode == 2
     assert proc.stderr.count("missing.bin and") == 1 and "configuration error" in proc.stderr

@@ -11,9 +11,6 @@ stage and under activation recompute) run in one subprocess, so the CPU platform
 process group never leak into other tests.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -23,7 +20,7 @@ import torch
 
 from cp_ext.data.documents import document_ids
 from cp_ext.data.sharding import context_parallel_positions
-from tests.launch import REPO_ROOT
+from tests.launch import run_code
 
 EOD = 9
 
@@ -334,6 +331,5 @@ def test_rope_hook_on_the_model(tmp_path):
         dist.destroy_process_group()
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_code(code, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]

@@ -2,7 +2,11 @@
 attention-heavy CPU config, without recompute and with full recompute (plain and CP-aware):
 the per-rank ratio bound, and the planner's estimate of the same config within 15%; with
 all-gather attention, the transient the call holds is measured and the peak it gives is the
-planner's within the same 15%."""
+planner's within the same 15%.
+
+The tool's ranks are forked (`tests.launch.fork_workers` in place of torchrun, each measurement
+a fresh process as under torchrun); tests/tools/test_bench_generate.py runs a tool's torchrun launch.
+"""
 
 import sys
 from pathlib import Path
@@ -15,11 +19,19 @@ sys.path.insert(0, str(ROOT))
 
 import measure_memory  # noqa: E402
 from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes  # noqa: E402
+from tests.launch import fork_workers  # noqa: E402
 
 FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
          "--train-iters", "1"]
 SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=384)  # ByteTokenizer 257 -> 384
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_ranks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(measure_memory, "run_workers", fork_workers)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ line on stderr naming the file, line and key, exit status 2, and never touches a
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from cp_ext.data.tokenizers import build_tokenizer
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, run_script
 
 DOCS = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(40)]
 
@@ -31,8 +29,7 @@ def _run(tmp_path, *flags, in_process=False):
     if in_process:  # the tool's main(), without paying a second interpreter start
         _tool().main(argv)
     else:  # the command line, with worker processes
-        subprocess.run([sys.executable, "tools/preprocess_data.py", *argv],
-                       cwd=REPO_ROOT, check=True, capture_output=True, text=True, timeout=300)
+        run_script(0, REPO_ROOT / "tools" / "preprocess_data.py", *argv)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     return IndexedDataset(str(tmp_path / "out_text_document"))
@@ -135,8 +132,7 @@ def test_failing_rerun_keeps_the_earlier_output(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"text": f"new document {i}"}) + "\n" for i in range(300)) + '{"text": null}\n')
     argv = ["--input", str(bad), "--json-keys", "text", "--output-prefix", str(tmp_path / "out"), "--workers", "2"]
-    proc = subprocess.run([sys.executable, "tools/preprocess_data.py", *argv],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script(0, REPO_ROOT / "tools" / "preprocess_data.py", *argv, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"preprocess_data.py: --input {bad} line 301 key 'text' is null, not a string; " \
                           f"fix or drop the line (only strings are tokenized)\n"

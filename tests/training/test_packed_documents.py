@@ -8,13 +8,9 @@ sum agree to fp32 rounding; without the mask they do not. (With the mask, global
 give the same model up to rounding: RoPE only sees offsets inside a document.)
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.launch import run_code
 
 
 def test_packed_sample_equals_documents_as_samples(tmp_path):
@@ -67,7 +63,5 @@ def test_packed_sample_equals_documents_as_samples(tmp_path):
         assert (global_positions[0] - alone[0]).abs().max() <= 1e-4 * alone[0].abs().max(), "RoPE shift"
         print("ok", err)
     """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
-                          env=env)
+    proc = run_code(code, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().startswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]

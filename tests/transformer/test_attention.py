@@ -3,18 +3,16 @@
 At CP = 1, ``auto`` and ``unfused`` run torch's ``F.scaled_dot_product_attention`` and a named
 kernel runs through `cp_ext.attention.kernels`; all give the same output and gradients. A named
 kernel that cannot run the call fails with its limit, not inside the op. (CP > 1 passes the same
-``kernel=`` down the ring / Ulysses paths: tests/attention/.) Runs in a subprocess so the CPU
+``kernel=`` down the ring / Ulysses paths: tests/attention/.) Runs in a process of its own (`run_code`) so the CPU
 platform mode and the process group never leak into other tests.
 """
 
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
 import torch
 
-from tests.launch import REPO_ROOT
+from tests.launch import run_code
 
 
 def test_configured_kernel_runs_at_cp1(tmp_path):
@@ -63,7 +61,7 @@ def test_configured_kernel_runs_at_cp1(tmp_path):
         dist.destroy_process_group()
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    proc = run_code(code, check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
