@@ -2,7 +2,9 @@
 
 ``pytest -m quick`` is the edit-run loop (a few minutes): at least one test of every module,
 among them the parse-time errors, one ring and one Ulysses exactness case and a 2-rank training
-step. ``pytest tests`` (CI) runs everything.
+step. A module whose tests share one launch marks its quick cases (`tests.launch.case_params`)
+and, under ``-m quick`` (the `quick` fixture), launches only those (``launch(..., cases=...)``).
+``pytest tests`` (CI) runs everything.
 
 Temporary files: the session makes one directory and points TMPDIR (and `tempfile`) at it, so
 everything the tests and their subprocesses write there (pytest's tmp_path, torchrun's and wandb's

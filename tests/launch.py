@@ -289,13 +289,23 @@ def worker_args(argv=None):
 
 
 def selected(cases, args):
-    """The cases (dicts with a "name") the worker was asked for: all, or those named by --cases."""
+    """The cases the worker was asked for (``--cases``; all without it): cases are names, or dicts
+    with a "name"; a dict of cases gives its names."""
     if args.cases is None:
         return list(cases)
-    chosen = [case for case in cases if case["name"] in args.cases]
-    missing = set(args.cases) - {case["name"] for case in chosen}
+    names = [case["name"] if isinstance(case, dict) else case for case in cases]
+    missing = set(args.cases) - set(names)
     assert not missing, f"no such cases: {sorted(missing)}"
-    return chosen
+    return [case for case, name in zip(cases, names) if name in args.cases]
+
+
+def case_params(cases, quick=()):
+    """pytest params of ``cases`` (dicts with a "name", id'd by it); those named in ``quick`` are
+    also in the quick subset (``pytest -m quick``)."""
+    import pytest
+
+    return [pytest.param(case, id=case["name"], marks=[pytest.mark.quick] if case["name"] in quick else [])
+            for case in cases]
 
 
 def write_results(results_dir, results):

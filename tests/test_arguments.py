@@ -16,6 +16,7 @@ def _error(argv, world_size):
     return str(info.value)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "argv, world, must_name",
     [
@@ -100,6 +101,7 @@ def test_yaml_supplies_defaults_and_flags_override(tmp_path):
     assert (args.num_layers, args.hidden_size, args.lr) == (2, 96, 0.01)
 
 
+@pytest.mark.quick
 def test_yaml_unknown_key_is_an_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("num-layer: 6\n")
@@ -111,6 +113,7 @@ BUNDLED = {"cpu_demo.yaml": 4, "cpu_passkey.yaml": 2, "cpu_long_64k.yaml": 4, "m
            "mixtral_8x7b_128k_4x8gpu.yaml": 32}
 
 
+@pytest.mark.quick
 def test_bundled_configs_parse(monkeypatch):
     # The GPU configs say device: cuda, which this host may lack: validate them as on a CUDA host.
     monkeypatch.setattr("cp_ext.platform.cuda_unusable_reason", lambda: None)
@@ -132,6 +135,7 @@ def test_bad_flags_fail_once_on_rank_0_before_any_work():
 FULL = ["--recompute-granularity", "full"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "argv, world, must_name",
     [

@@ -133,6 +133,7 @@ def outcomes(tmp_path_factory, crafted_checkpoint):
         return dict(pool.map(one, CASES))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_gets_one_clear_message(outcomes, case):
     (proc, seconds), must_name = outcomes[case], CASES[case][2]

@@ -126,6 +126,7 @@ def results():
     return launch(__file__, NPROC)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["u2", "u2_ep2"])
 def test_tp2_cp4_ulysses2_layout(results, layout):
     for rank, res in results.items():
@@ -163,6 +164,7 @@ def test_ring_attention_uses_the_cp_ext_ring_group(results):
         assert res["ring_attention_err"] < 1e-5
 
 
+@pytest.mark.quick
 def test_clear_errors(results):
     msg = results[0]["bad_u_msg"]
     assert "--ulysses-size (3)" in msg and "--context-parallel-size (4)" in msg

@@ -4,6 +4,8 @@ Each test runs in a process of its own (`run_code`) so the process-wide mode nev
 other tests.
 """
 
+import pytest
+
 from tests.launch import run_code
 
 
@@ -11,6 +13,7 @@ def _run(code):
     return run_code(code).stdout
 
 
+@pytest.mark.quick
 def test_cuda_requests_land_on_cpu():
     out = _run("""
         import torch

@@ -36,6 +36,7 @@ def nccl_world():
     dist.destroy_process_group()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hk", [4, 2])

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.attention.reference import (  # noqa: E402
     check_bounds, error_stats, in_order, merge_sensitivity, reference_orders, summation_order_perms,
 )
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4
 S = 64  # 8 zigzag chunks of 8 at C = 4
@@ -262,7 +262,7 @@ def main():
     rank, groups = init_four_ranks()
     groups["ring"] = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     # Ulysses pairs are groups[2] ([0, 1], [2, 3]); the ring of a rank is groups["ring"][rank % 2].
-    results = {case["name"]: _run_case(case, groups, rank) for case in CASES}
+    results = {case["name"]: _run_case(case, groups, rank) for case in selected(CASES, args)}
     results["skipping"] = _skipping(groups, rank)
     results["bad"] = _bad_inputs(groups)
     write_results(args.results_dir, results)
@@ -270,9 +270,12 @@ def main():
 
 
 # ----------------------------------------------------------------------------- pytest
+QUICK = "ring4-random-causal-gqa-fp32"  # the edit-run loop's case: ring 4, random documents, causal, GQA
+
+
 @pytest.fixture(scope="module")
-def results():
-    return launch(__file__, NPROC)
+def results(quick):
+    return launch(__file__, NPROC, cases=[QUICK] if quick else None)
 
 
 MERGES = {  # T of the bound: the partial results one query row merges
@@ -282,18 +285,12 @@ MERGES = {  # T of the bound: the partial results one query row merges
 }
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES, quick=[QUICK]))
 def test_documents_match_float64_truth(results, case):
     name = case["name"]
     check_bounds(results, name, case["dtype"], merges=MERGES[case["variant"]])
     assert all(res[name]["finite"] for res in results.values()), "NaN or inf in out/dq/dk/dv"
     assert all(res[name]["padding_max"] == 0.0 for res in results.values()), "padding rows must give exactly 0"
-
-
-@pytest.mark.quick
-def test_documents_quick(results):
-    """The edit-run loop's documents case: ring 4, random documents, causal, GQA."""
-    test_documents_match_float64_truth(results, next(c for c in CASES if c["name"] == "ring4-random-causal-gqa-fp32"))
 
 
 def test_truth_is_the_block_diagonal_mask():
@@ -331,6 +328,7 @@ def test_one_straddling_document_sends_one_block_one_hop(results):
         assert s["tiles"] == (2 if rank == 1 else 1), (rank, s)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, words", [
     ("shape", ["[b, s_local]", "[2, 16]", "(2, 15)"]),
     ("dtype", ["integer", "float32"]),

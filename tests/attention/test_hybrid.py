@@ -34,7 +34,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.attention.recorders import record_all_to_all  # noqa: E402
 from tests.attention.reference import check_bounds, measure  # noqa: E402
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
 BF16_SLACK = 2.0 ** -8  # x max|truth|, as for the ring (tests/attention/test_ring.py)
@@ -197,7 +197,7 @@ def results():
     return launch(__file__, NPROC)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES, quick=["hybrid-u2r2-zigzag-causal-h4kv2-d64-s40-fp32"]))
 def test_hybrid_matches_float64_truth(results, case):
     assert all(res[case["name"]]["dtypes_ok"] for res in results.values()), "dtype or shape of out/dq/dk/dv changed"
     check_bounds(results, case["name"], case["dtype"], merges=case["R"], low_prec_slack=BF16_SLACK)
@@ -215,6 +215,7 @@ def test_dispatch_by_group_sizes(results, case):
             assert got["sizes"] == [case["U"], case["R"]]
 
 
+@pytest.mark.quick
 def test_errors_are_clear(results):
     msgs = results[0]["errors"]
     assert msgs["h3_u2"] is not None and "--ulysses-size 2" in msgs["h3_u2"] and "3 query heads" in msgs["h3_u2"], msgs

@@ -89,6 +89,7 @@ class _ExpandingCpuKernel(CpuSdpaKernel):
     native_gqa = False
 
 
+@pytest.mark.quick
 def test_gqa_expansion_path_matches_native():
     q, k, v, dout = _qkv(hk=2)
     nat, exp = CpuSdpaKernel(), _ExpandingCpuKernel()
@@ -131,6 +132,7 @@ def test_split_kv_merge_and_backward_with_global_lse(causal):
         assert (g - gt).abs().max() < 1e-12
 
 
+@pytest.mark.quick
 def test_update_out_and_lse_touches_only_its_rows_and_never_aliases():
     out = torch.randn(1, 2, 6, 4)
     lse = torch.randn(1, 2, 6)
@@ -204,6 +206,7 @@ def test_auto_choice_is_first_supported_for_every_combination():
                         assert dtype != torch.float64 and head_dim % (8 if dtype in HALF else 4) == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "name, dtype, head_dim, device, version, must_say",
     [

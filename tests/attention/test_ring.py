@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.attention.reference import check_bounds, init_four_ranks, measure  # noqa: E402
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
 LOW_PREC_SLACK = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # x max|truth|, see docs/attention.md
@@ -133,7 +133,7 @@ def _max(results, name, key, t):
     return max(res[name][key][t] for res in results.values())
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES, quick=["ring4-causal-gqa-d64-s48-fp32-zigzag"]))
 def test_ring_matches_float64_truth(results, case):
     name = case["name"]
     assert all(res[name]["dtypes_ok"] for res in results.values())
@@ -160,6 +160,7 @@ def test_next_block_in_flight_while_computing(results):
     assert bwd.count("post") == 3 + 4, bwd  # 3 KV hops + 4 dKV hops (the last brings dKV home)
 
 
+@pytest.mark.quick
 def test_bad_sequence_length_is_a_clear_error(results):
     msg = results[0]["bad_len_msg"]
     assert msg is not None and "28" in msg and "2 x C = 2 x 4 = 8" in msg and "pad" in msg, msg

@@ -28,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.attention.recorders import record_all_to_all  # noqa: E402
 from tests.attention.reference import check_bounds as _check_bounds, init_four_ranks, measure  # noqa: E402
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
 BF16_SLACK = 0.0  # x max|truth|, on top of 2 x the single-device bf16 error
@@ -119,7 +119,7 @@ def check_bounds(results, case):
     _check_bounds(results, case["name"], case["dtype"], merges=1, low_prec_slack=BF16_SLACK)  # one kernel call per row
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES, quick=["u2-causal-h4kv2-d64-s40-fp32"]))
 def test_ulysses_matches_float64_truth(results, case):
     check_bounds(results, case)
 
@@ -141,6 +141,7 @@ def test_gqa_replication_with_uneven_kv_heads(results):
     assert res["fwd_heads_sent"] == [3, 3, 3, 3]
 
 
+@pytest.mark.quick
 def test_heads_not_divisible_by_ulysses_size_is_a_clear_error(results):
     msgs = results[0]["errors"]
     for key in ("h6_u4", "h6_kv1_u4"):

@@ -28,6 +28,7 @@ def test_good_files_pass(corpus):
     parse_args(["--data-path", corpus, "--vocab-size", "300"], world_size=1)
 
 
+@pytest.mark.quick
 def test_missing_bin(corpus):
     os.remove(corpus + ".bin")
     msg = _error("--data-path", corpus, "--vocab-size", "300")
@@ -133,6 +134,7 @@ def test_malformed_blend(corpus):
     assert "weights and prefixes must alternate" in _error("--data-path", "0.5", corpus, corpus, "0.5")
 
 
+@pytest.mark.quick
 def test_seq_length_the_cp_layout_cannot_split():
     msg = _error("--context-parallel-size", "2", "--seq-length", "30", world_size=2)
     assert "--seq-length 30 is not divisible by 4" in msg
@@ -140,6 +142,7 @@ def test_seq_length_the_cp_layout_cannot_split():
     assert "--seq-length 30 is not divisible by 4" in msg
 
 
+@pytest.mark.quick
 def test_pretrain_prints_once_and_exits_2(tmp_path):
     proc = run_script(0, REPO_ROOT / "pretrain_moe.py", "--data-path", tmp_path / "missing", check=False)
     assert proc.returncode == 2

@@ -25,6 +25,7 @@ from tests.launch import run_code
 EOD = 9
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("row, expected", [
     ([9, 1, 2, 3], [0, 1, 1, 1]),  # EOD first: the token after it starts document 1
     ([1, 2, 3, 9], [0, 0, 0, 0]),  # EOD last: it belongs to the document it ends

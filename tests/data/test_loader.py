@@ -103,6 +103,7 @@ def test_dp_disjoint_and_same_global_batches_on_every_grid(runs, grid):
         assert tokens == [baseline[sample][p] for p in positions]
 
 
+@pytest.mark.quick
 def test_resume_from_consumed_samples(runs):
     for rank, result in runs.items():
         assert result["resume_ok"], f"rank {rank}: resuming from consumed samples gave other batches"

@@ -1,11 +1,13 @@
 """The passkey task's samples: the key and the answer sit on different CP ranks (CP = 2, both layouts)."""
 
+import pytest
 import torch
 
 from cp_ext.data.passkey import DIGITS, KEY, QUERY, PasskeyDataset
 from cp_ext.data.sharding import context_parallel_positions
 
 
+@pytest.mark.quick
 def test_key_and_answer_on_different_cp_ranks():
     seq = 128
     data = PasskeyDataset(seq, num_samples=64, seed=3)

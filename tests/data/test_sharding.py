@@ -12,6 +12,7 @@ from tests.launch import launch, worker_args, write_results  # noqa: E402
 from cp_ext.data import check_seq_len, contiguous_shard, zigzag_chunk_ids, zigzag_positions, zigzag_shard
 
 
+@pytest.mark.quick
 def test_zigzag_layout_by_hand():
     x = torch.arange(16)  # C = 4: 8 chunks of 2
     assert zigzag_shard(x, 0, 0, 4).tolist() == [0, 1, 14, 15]
@@ -59,6 +60,7 @@ def test_ulysses_times_ring_positions_partition_the_sequence(u, r, layout):
         assert torch.equal(ring_shard, expect)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout,s,size,needle", [("zigzag", 30, 4, "2 x C = 2 x 4 = 8"), ("contiguous", 30, 4, "C = 4")])
 def test_indivisible_sequence_is_a_clear_error(layout, s, size, needle):
     with pytest.raises(ValueError) as e:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.launch import launch, worker_args, write_results
+from tests.launch import launch, selected, worker_args, write_results
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--seq-length", "64",
@@ -39,13 +39,16 @@ PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
 
+QUICK = ("1030", "cp2_ring")  # the quick subset's (prompt, layout): the launch then builds cp1 and cp2_ring only
+
+
 @pytest.fixture(scope="module")
-def results():
-    return launch(__file__, 4, *MODEL, timeout=900)
+def results(quick):
+    return launch(__file__, 4, *MODEL, cases=["cp1", QUICK[1]] if quick else None, timeout=900)
 
 
-@pytest.mark.parametrize("layout", REFERENCE)
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt, layout", [pytest.param(p, layout, marks=[pytest.mark.quick] if (p, layout) == QUICK else [])
+                                            for layout in REFERENCE for p in PROMPTS])
 def test_cp_generation_equals_cp1(results, layout, prompt):
     ref = results[0][REFERENCE[layout]][prompt]
     assert all(results[rank][layout][prompt]["new_ids"] == ref["new_ids"] for rank in results)
@@ -97,7 +100,7 @@ def worker():
     prompts = {name: torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for name, n in PROMPTS.items()}
     results, cp1_logits = {}, {}
-    for layout, flags in LAYOUTS.items():
+    for layout, flags in {name: LAYOUTS[name] for name in selected(LAYOUTS, opts)}.items():
         trainer = Trainer(parse_args(list(opts.extra) + flags))
         gen = Generator(trainer)
         results[layout] = {}

@@ -81,6 +81,7 @@ def test_perturbed_run_fails(compared, tmp_path):
     assert "first at iteration 3" in tool.stdout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["configs/cpu_demo.yaml"], "usage:"),
     (["configs/nope.yaml", "2"], "no such file"),

@@ -28,6 +28,7 @@ def test_torchrun_single_node_trains(tmp_path):
     assert [json.loads(line)["iteration"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+@pytest.mark.quick
 def test_torchrun_single_node_needs_a_config():
     proc = subprocess.run([str(SCRIPT), "--train-iters", "2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage:" in proc.stderr
@@ -141,6 +142,7 @@ def test_injected_value_is_not_evaluated(tmp_path, script, var, injection):
     assert injection.format(marker=marker) in proc.stderr  # the value as given, not evaluated
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script, var, value", [
     (script, var, value) for script, var in NUMERIC for value in ["0", *NOT_NUMBERS]
     if (var, value) != ("SLURM_GPUS_ON_NODE", "0")  # valid (CPU jobs); see test_slurm_gpu_mode_without_gpus

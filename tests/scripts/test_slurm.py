@@ -91,6 +91,7 @@ def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
     assert "training done" not in log
 
 
+@pytest.mark.quick
 def test_multi_node_script_is_accepted(cluster):
     """The multi-node script's #SBATCH headers parse and schedule (sized down to this one node)."""
     script = REPO_ROOT / "scripts" / "slurm_multi_node.sbatch"

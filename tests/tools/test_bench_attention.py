@@ -28,6 +28,7 @@ def test_all_variants_timed(bench):
     assert res["overlap"] > 0 and "overlap: ring fwd+bwd / compute-only" in stdout
 
 
+@pytest.mark.quick
 def test_bytes_counted_match_formula(bench):
     res, _ = bench
     b = res["bytes"]

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import REPO_ROOT
 
 
+@pytest.mark.quick
 def test_bench_generate_counts_match_the_formula():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_generate.py"), "--nproc", "2",

@@ -45,6 +45,7 @@ def run_tool(*args):
                           timeout=300, cwd=REPO_ROOT)
 
 
+@pytest.mark.quick
 def test_agreeing_curves_pass(tmp_path):
     a = write_jsonl(tmp_path / "a" / "metrics.jsonl", curve())
     b = write_jsonl(tmp_path / "b" / "metrics.jsonl", curve(scale=1 + 3e-7))  # fp32-rounding-sized
@@ -68,6 +69,7 @@ def test_run_directories_are_read_through_their_metrics_jsonl(tmp_path):
     assert "max abs diff:  0.000000e+00" in proc.stdout
 
 
+@pytest.mark.quick
 def test_disagreeing_curves_fail_and_name_the_iterations(tmp_path):
     losses = curve()
     drifted = {i: v * (1 + 1e-3) if i >= 12 else v for i, v in losses.items()}
@@ -112,6 +114,7 @@ def test_nan_fails(tmp_path):
     assert "non-finite values (NaN/inf) at iterations: 7" in proc.stdout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("problem", ["missing", "bad_json", "unknown_key", "no_overlap", "ambiguous_dir", "empty_dir"])
 def test_bad_input_exits_2_with_a_message(tmp_path, problem):
     good = write_jsonl(tmp_path / "good.jsonl", curve())

@@ -53,6 +53,7 @@ def test_outputs_and_table(evaluated):
         assert all(0.0 <= v <= 1.0 for v in record["results"][length]["accuracy"].values())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("extra, message", [
     (["--lengths", "65"], "--lengths 65: must be >= 32 and divisible by 2 x --context-parallel-size = 2"),
     (["--lengths", "66"], "--lengths 66: must be divisible by --position-buckets 8"),

@@ -51,6 +51,7 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     assert "no --load" in proc.stdout and "decoded one by one" in proc.stdout  # 5 and 11 tokens: tails at CP2
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, must_name", [
     ([], "no prompt"),
     (["--prompt", ""], "an empty prompt"),

@@ -112,6 +112,7 @@ def test_wrong_half_tile_fails(gc, monkeypatch):
     assert r["status"] == "FAIL", r
 
 
+@pytest.mark.quick
 def test_document_ids_and_truth(gc):
     """The ids hold single-token documents, padding and a document spanning the sequence; the
     per-document truth is attention under the dense block-diagonal (causal) mask, padding rows 0."""
@@ -203,6 +204,7 @@ def test_no_cuda_exits_2(gc, tmp_path, capsys):
     assert e.value.code == 2 and "CUDA is not usable" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", range(2, 9))
 def test_demo_grid_is_valid_for_every_gpu_count(gc, n):
     from cp_ext.arguments import parse_args

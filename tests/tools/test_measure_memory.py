@@ -39,6 +39,7 @@ def measured():
     return measure_memory.compare(2, FLAGS)
 
 
+@pytest.mark.quick
 def test_cp2_per_rank_activations_at_most_1_15_over_2(measured):
     base, split, ratio = measured
     assert len(base) == 1 and len(split) == 2

@@ -17,6 +17,7 @@ from cp_ext.perf.memory import (  # noqa: E402
 )
 
 
+@pytest.mark.quick
 def test_kv_arithmetic_7b_and_70b_at_128k():
     # 7B: 32 layers x 4096 hidden x 2 (K, V) x 2 bytes x 131072 tokens = 64 GiB
     assert kv_state_bytes(PRESETS["llama2-7b"], s=131072, dtype="bf16")["kv"] == 32 * 4096 * 2 * 2 * 131072 == 64 * GiB
@@ -206,6 +207,7 @@ def test_cli_runs(capsys):
     assert "fits:" in out and "excluded" in out and "EP" in out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flags", [["--layers", "2"], []])
 def test_cli_needs_a_model(flags):
     with pytest.raises(SystemExit):

@@ -41,6 +41,7 @@ def _check(data, tokenizer):
         assert data[i].tolist() == tokenizer.tokenize(doc).tolist() + [tokenizer.eod]
 
 
+@pytest.mark.quick
 def test_byte_tokenizer(tmp_path):
     _check(_run(tmp_path, "--tokenizer-type", "ByteTokenizer", in_process=True), build_tokenizer("ByteTokenizer"))
 
@@ -90,6 +91,7 @@ def test_json_that_is_not_an_object_names_the_line(tmp_path, capsys, line):
     assert "line 4 is valid JSON but" in err and "not an object" in err
 
 
+@pytest.mark.quick
 def test_invalid_json_names_the_line(tmp_path, capsys):
     err = _fails(tmp_path, capsys, GOOD + b'{"text": "unterminated}\n')
     assert "line 4 is not valid JSON (" in err

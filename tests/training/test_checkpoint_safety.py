@@ -63,6 +63,7 @@ def test_load_at_an_iteration_directory_names_its_parent(tmp_path):
     assert "one iteration's directory" in message and f"--load {ckpt}" in message
 
 
+@pytest.mark.quick
 def test_save_must_be_a_directory(tmp_path):
     path = tmp_path / "file"
     path.write_text("x")
@@ -70,6 +71,7 @@ def test_save_must_be_a_directory(tmp_path):
     assert "--finetune needs --load" in _error(["--finetune"])
 
 
+@pytest.mark.quick
 def test_changed_schedule_needs_one_of_megatrons_flags(tmp_path):
     ckpt = _fake_checkpoint(tmp_path / "ck", 4, lr=3e-4, lr_decay_style="linear")
     message = _error(["--load", str(ckpt)])

@@ -51,7 +51,8 @@ def uninterrupted_distributed(tmp_path_factory):
     return _uninterrupted(tmp_path_factory, "--use-distributed-optimizer")
 
 
-@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["adam", "distributed-adam"])
+@pytest.mark.parametrize("optimizer", [pytest.param([], id="adam", marks=pytest.mark.quick),
+                                       pytest.param(["--use-distributed-optimizer"], id="distributed-adam")])
 def test_kill_9_then_resume_matches_uninterrupted(request, tmp_path, optimizer):
     uninterrupted = request.getfixturevalue("uninterrupted_distributed" if optimizer else "uninterrupted")
     save, log_dir = tmp_path / "ckpt", tmp_path / "run"

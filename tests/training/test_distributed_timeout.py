@@ -16,6 +16,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from tests.launch import REPO_ROOT, session_dir, start_script
 
@@ -59,6 +60,7 @@ def start_early():
     _WATCH["thread"].start()
 
 
+@pytest.mark.quick
 def test_stopped_rank_ends_the_run_within_the_timeout():
     if "job" not in _WATCH:  # run on its own, outside a session that started it early
         start_early()

@@ -82,6 +82,7 @@ def _run(tmp_path, name, *flags):
     return proc.stdout, {(r["iteration"], k): v for r in lines for k, v in r.items() if k.startswith(("valid/", "test/"))}
 
 
+@pytest.mark.quick
 def test_the_training_loop_evaluates_every_interval_and_the_test_split_at_the_end(tmp_path):
     """--eval-interval 2 over 4 iterations: Megatron's block at 2 and 4, the test split at the end,
     each value in metrics.jsonl; --valid-data-path / --test-data-path replace --split's shares."""

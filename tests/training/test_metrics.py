@@ -28,6 +28,7 @@ def _train(log_dir, *args, nproc=1, wandb_mode=None, extra_env=None):
     return proc, records
 
 
+@pytest.mark.quick
 def test_offline_wandb_and_metrics_jsonl(tmp_path):
     _, records = _train(tmp_path, "--wandb-project", "cp-ext-test", "--wandb-exp-name", "offline", wandb_mode="offline")
     assert [r["iteration"] for r in records] == [1, 2] and all(set(r) == KEYS for r in records)

@@ -56,6 +56,7 @@ def test_overlap_equals_synchronous(results, run, ref):
             assert got["grad_rel_err"] <= TOLERANCE, (rank, got["grad_worst"], got["grad_rel_err"])
 
 
+@pytest.mark.quick
 def test_overlap_really_overlapped(results):
     """The overlapped runs dispatched collectives from the hooks; the synchronous ones never did."""
     for records in results.values():

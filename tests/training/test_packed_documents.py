@@ -10,9 +10,12 @@ give the same model up to rounding: RoPE only sees offsets inside a document.)
 
 import textwrap
 
+import pytest
+
 from tests.launch import run_code
 
 
+@pytest.mark.quick
 def test_packed_sample_equals_documents_as_samples(tmp_path):
     code = textwrap.dedent(f"""
         import torch, torch.distributed as dist

@@ -101,7 +101,7 @@ def launches(short_documents):
     return get
 
 
-@pytest.fixture(params=list(GRIDS))
+@pytest.fixture(params=[pytest.param(grid, marks=[pytest.mark.quick] if grid == "cp1" else []) for grid in GRIDS])
 def grid_results(request, launches):
     return request.param, launches(request.param)
 

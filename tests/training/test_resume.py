@@ -8,6 +8,8 @@ user would reuse.
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.launch import REPO_ROOT, run_script
 
 FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -49,6 +51,7 @@ def test_new_run_moves_the_previous_runs_logs_aside(tmp_path):
     assert _iterations(tmp_path / "metrics.jsonl") == [1]
 
 
+@pytest.mark.quick
 def test_train_samples_cover_what_a_resumed_run_needs(tmp_path):
     """The train dataset length on resume: the saving run's when it suffices (same order), else enough."""
     from cp_ext.arguments import parse_args

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.launch import launch, worker_args, write_results
+from tests.launch import launch, selected, worker_args, write_results
 
 MODEL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
@@ -42,15 +42,16 @@ LAYOUT_DEPENDENT = {"capacity", "capacity_position"}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return launch(__file__, 2, *MODEL, timeout=900)[0]
+def runs(quick):
+    return launch(__file__, 2, *MODEL, cases=["baseline"] if quick else None, timeout=900)[0]
 
 
 def _rel(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("router", [r for r in ROUTERS if r not in LAYOUT_DEPENDENT])
+@pytest.mark.parametrize("router", [pytest.param(r, marks=[pytest.mark.quick] if r == "baseline" else [])
+                                    for r in ROUTERS if r not in LAYOUT_DEPENDENT])
 def test_cp2_matches_dp2(runs, router):
     dp, cp = runs[f"{router}/dp2"], runs[f"{router}/cp2"]
     assert dp["metrics"].keys() == cp["metrics"].keys()
@@ -123,7 +124,8 @@ def worker():
     warnings.simplefilter("ignore")
     opts = worker_args(sys.argv[1:])
     results = {}
-    for router, router_flags in ROUTERS.items():
+    for router in selected(ROUTERS, opts):
+        router_flags = ROUTERS[router]
         runs = {layout: _run(list(opts.extra) + router_flags + layout_flags) for layout, layout_flags in LAYOUTS.items()}
         for layout, (metrics, _, buffers) in runs.items():
             results[f"{router}/{layout}"] = {"metrics": metrics,

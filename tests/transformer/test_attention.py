@@ -10,6 +10,7 @@ platform mode and the process group never leak into other tests.
 import textwrap
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.launch import run_code
@@ -65,6 +66,7 @@ def test_configured_kernel_runs_at_cp1(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
+@pytest.mark.quick
 def test_startup_line_says_what_auto_picked():
     from cp_ext.training.trainer import attention_kernel_line
 

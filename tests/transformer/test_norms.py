@@ -18,6 +18,7 @@ def _config(**kw):
     return TransformerConfig(**base)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("normalization,cls", [("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)])
 @pytest.mark.parametrize("sp", [False, True])
 def test_norm_kind_and_sp_marking(normalization, cls, sp):
