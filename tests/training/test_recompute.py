@@ -26,7 +26,7 @@ from tests.launch import launch, worker_args, write_results
 
 DENSE_MODEL = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-    "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
     "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0",
     "--device", "cpu",
 ]
@@ -61,7 +61,7 @@ GRIDS = {
     "cp2_ring": (2, ["--context-parallel-size", "2"]),
     "cp4_ulysses2_ring2": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                "--hierarchical-context-parallel-sizes", "2", "2"]),
-    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--global-batch-size", "4"]),
+    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--global-batch-size", "2"]),
     "tp2cp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
                        "--expert-model-parallel-size", "2"]),
 }
