@@ -3,7 +3,9 @@
 Layouts: TP2 x CP4 (megatron order tp-cp-ep-dp-pp, so the CP groups are [0,2,4,6] and
 [1,3,5,7]) with --ulysses-size 2, the same with EP2, and U = 1 / U = 4. One launch runs
 them all (re-initializing megatron between them) and also runs `ring_attention` with
-group=None on the cp_ext ring group against a float64 truth.
+group=None on the cp_ext ring group against a float64 truth. Last, the Trainer's
+`initialize_distributed`: a grid that matches the one in place keeps its groups, another one
+replaces them and frees the old ones (no groups pile up across grids).
 """
 
 import sys
@@ -83,6 +85,34 @@ def _ring_attention_default_group():
     return (out.double() - zigzag_shard(truth, 0, r, n)).abs().max().item()
 
 
+def _grid_reuse():
+    """initialize_distributed on grids A, A, B, A: the number of live groups and the CP group seen."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from torch.distributed import distributed_c10d as c10d
+
+    from cp_ext.platform import setup_platform
+    from cp_ext.training.trainer import initialize_distributed
+
+    from cp_ext import parallel_state as ps
+
+    setup_platform("cpu")
+    ps.destroy_grid()  # the layouts above left megatron's groups alive (destroy_model_parallel keeps them)
+    sizes = dict(pipeline_model_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                 distributed_timeout_minutes=10, seed=1)
+    grid_a = SimpleNamespace(tensor_model_parallel_size=2, context_parallel_size=4, ulysses_size=2, **sizes)
+    grid_b = SimpleNamespace(tensor_model_parallel_size=1, context_parallel_size=8, ulysses_size=4, **sizes)
+    seen, groups = [], []
+    for args in (grid_a, grid_a, grid_b, grid_a):
+        initialize_distributed(args, None)
+        seen.append(mpu.get_context_parallel_group())
+        groups.append(len(c10d._world.pg_map))
+    return {"group_counts": groups, "same_group_reused": seen[1] is seen[0],
+            "cp_sizes": [dist.get_world_size(g) for g in seen], "regrid_new_group": seen[3] is not seen[0]}
+
+
 def main():
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -117,6 +147,7 @@ def main():
             except RuntimeError as e:
                 res["uninit_msg"] = str(e)
         mpu.destroy_model_parallel()
+    res["grid_reuse"] = _grid_reuse()
     write_results(args.results_dir, res)
     dist.destroy_process_group()
 
@@ -170,6 +201,17 @@ def test_clear_errors(results):
     assert "--ulysses-size (3)" in msg and "--context-parallel-size (4)" in msg
     assert "initialize_context_parallel" in results[0]["uninit_msg"]
     assert "already initialized" in results[0]["double_init_msg"]
+
+
+def test_a_matching_grid_is_reused_and_another_replaces_it(results):
+    """Trainers built one after another (tests, tools) share a matching grid's groups; a new grid
+    frees the old groups, so their count (and the gloo threads behind them) does not grow."""
+    for res in results.values():
+        got = res["grid_reuse"]
+        assert got["same_group_reused"] and got["regrid_new_group"]
+        assert got["cp_sizes"] == [4, 4, 8, 4]
+        a, again, b, back = got["group_counts"]
+        assert again == a and back == a, got["group_counts"]
 
 
 if __name__ == "__main__":
