@@ -39,7 +39,6 @@ import time
 PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "cp_ext.training.trainer", "cp_ext.attention",
            "cp_ext.inference.generate", "megatron.core.dist_checkpointing", "wandb")
 GRACE_S = 5  # after one rank fails, the others get SIGTERM, then SIGKILL this much later
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _die_with_parent():

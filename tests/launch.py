@@ -185,10 +185,9 @@ class Run:
         frames of that dump (where the rank was) instead."""
         parts = []
         for rank in range(max(self.nproc, 1)):
-            text = (self.log_dir / f"rank{rank}.out").read_text(errors="replace").splitlines() if (
-                self.log_dir / f"rank{rank}.out").exists() else []
-            err = self.log_dir / f"rank{rank}.err"
-            text += err.read_text(errors="replace").splitlines() if err.exists() else []
+            text = []
+            for path in (self.log_dir / f"rank{rank}.out", self.log_dir / f"rank{rank}.err"):
+                text += path.read_text(errors="replace").splitlines() if path.exists() else []
             dumps = [i for i, line in enumerate(text) if "most recent call first" in line]
             shown = text[dumps[-1]:dumps[-1] + lines] if dumps else text[-lines:]
             label = "stack when killed, innermost first" if dumps else f"last {len(shown)} lines"
