@@ -21,7 +21,7 @@ slowest rank's:
   hands back the local KV: the compute-only time of the same tiles. ring / compute is the
   overlap figure (1.0 = communication fully hidden).
 * ``ulysses``: `cp_ext.attention.ulysses.ulysses_attention` over all C ranks (needs h % C == 0).
-* ``hybrid``: `cp_ext.attention.hybrid.hybrid_attention` with ``--ulysses-size`` U and a ring
+* ``hybrid``: `cp_ext.attention.dispatch.hybrid_attention` with ``--ulysses-size`` U and a ring
   of C/U (only when 1 < U < C).
 * ``all_gather``: `cp_ext.attention.all_gather.all_gather_attention` over all C ranks (K/V
   all-gathered, dK/dV reduce-scattered); not in the default list, ask for it with --variants.
@@ -55,11 +55,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cp_ext.attention import ring as ring_mod  # noqa: E402
-from cp_ext.attention.all_gather import all_gather_attention  # noqa: E402
-from cp_ext.attention.hybrid import hybrid_attention  # noqa: E402
+from cp_ext.attention import all_gather_attention  # noqa: E402
+from cp_ext.attention.dispatch import hybrid_attention  # noqa: E402
 from cp_ext.attention.kernels import get_kernel  # noqa: E402
-from cp_ext.attention.ring import ring_attention  # noqa: E402
-from cp_ext.attention.ulysses import ulysses_attention  # noqa: E402
+from cp_ext.attention import ring_attention  # noqa: E402
+from cp_ext.attention import ulysses_attention  # noqa: E402
 from cp_ext.data.sharding import context_parallel_positions  # noqa: E402
 from cp_ext.perf import comm as comm_formula  # noqa: E402
 from cp_ext.perf.counter import count_comm, count_work  # noqa: E402

@@ -188,7 +188,7 @@ def _transient_mode():
 def track_all_gather_transient(saved):
     """Run every all-gather attention call (forward and backward, autograd and CP-aware recompute
     paths) under an `AttentionTransient` that reports into ``saved``."""
-    from cp_ext.attention import all_gather, hybrid
+    from cp_ext.attention import all_gather, dispatch
 
     mode = _transient_mode()
 
@@ -202,7 +202,7 @@ def track_all_gather_transient(saved):
                     saved.transient = None
         return call
 
-    for module in (all_gather, hybrid):  # hybrid imported the functions by name
+    for module in (all_gather, dispatch):  # dispatch imported the functions by name
         for name in ("all_gather_attn_forward", "all_gather_attn_backward"):
             setattr(module, name, tracked(getattr(all_gather, name)))
 

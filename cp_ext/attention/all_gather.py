@@ -27,47 +27,36 @@ lives only inside the forward call; the backward holds it plus the fp32 full-seq
 until the reduce-scatter. Tiles are chunk-sized, so their temporaries are small.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.documents import (
-    Runs, check_document_ids, clip_runs, diagonal_segments, document_runs, gather_parts, segment_pairs,
-    tile_segments,
-)
-from cp_ext.attention.kernels import AttnKernel, get_kernel
-from cp_ext.attention.utils import accum_dtype, update_out_and_lse
+from cp_ext.attention.documents import Runs, clip_runs, document_runs, gather_parts
+from cp_ext.attention.kernels import AttnKernel
+from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
+from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
 from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
 
 
-def _runs_of_positions(positions: List[int]) -> List[Tuple[int, int, int]]:
-    """(first local row, end row, first global position) of each contiguous range of positions."""
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i, positions[start]))
-            start = i
-    return runs
-
-
 class AllGatherPlan:
-    """This rank's tiles: (q rows, rows of the gathered K/V, diagonal?, segments or None).
+    """This rank's tiles: (q rows, rows of the gathered K/V, blocks shifted to them).
 
     The gathered K/V stays in *rank order* (what the all-gather gives: rank i's shard at rows
     ``[i*s, (i+1)*s)``), so nothing is copied into sequence order. Each rank's shard is a few
-    runs of consecutive positions (2 zigzag chunks, or one block), and another rank's run lies
-    wholly before or after each of this rank's query runs; so a tile pairs one query run with
-    one key run: full when the keys come first, the causal square when it is the query run
-    itself, nothing when the keys come after (causal).
+    runs of consecutive positions (2 zigzag chunks, or one block); a tile pairs one query run
+    with one key run, planned from the mask (`cp_ext.attention.masks.plan_tile`): full when the
+    keys come first, the causal square when it is the query run itself, nothing when the keys
+    come after (causal) or lie outside the window.
     """
 
-    def __init__(self, positions: torch.Tensor, group, causal: bool, document_ids=None):
+    def __init__(self, positions: torch.Tensor, group, causal: bool, document_ids=None, window_size=None):
         size, me = dist.get_world_size(group), dist.get_rank(group)
         s = positions.numel()
         parts = [p.tolist() for p in gather_parts(positions, group)]
         if sorted(parts[me]) != parts[me]:
             raise ValueError("all-gather attention needs each rank's tokens in increasing global order")
+        window = make_window(window_size, causal)
         runs: List[Optional[Runs]] = [None] * size
         if document_ids is not None:
             ids = [x.cpu().long() for x in gather_parts(document_ids, group)]
@@ -76,30 +65,26 @@ class AllGatherPlan:
             full = torch.empty(ids[0].shape[0], s * size, dtype=torch.int64)
             full[:, torch.tensor(sum(parts, []))] = torch.cat(ids, dim=1)
             document_runs(full, name="document_ids (whole sequence)")
+        docs = lambda rank, a, b: None if document_ids is None else clip_runs(runs[rank], slice(a, b), s)  # noqa: E731
         self.tiles = []
-        for q0, q1, p0 in _runs_of_positions(parts[me]):
-            p1 = p0 + (q1 - q0)
-            q_runs = None if document_ids is None else clip_runs(runs[me], slice(q0, q1), s)
+        for q0, q1, p0 in position_runs(parts[me]):
             for rank in range(size):
-                for k0, k1, kp0 in _runs_of_positions(parts[rank]):
-                    diagonal = causal and rank == me and (k0, k1) == (q0, q1)
-                    if causal and not diagonal and kp0 >= p1:
-                        continue  # keys after the queries
-                    segments = None
-                    if document_ids is not None:
-                        segments = (diagonal_segments(q_runs) if diagonal
-                                    else tile_segments(q_runs, clip_runs(runs[rank], slice(k0, k1), s)))
-                        if not segments:
-                            continue
-                    self.tiles.append((slice(q0, q1), slice(rank * s + k0, rank * s + k1), diagonal, segments))
+                for k0, k1, kp0 in position_runs(parts[rank]):
+                    same = rank == me and (k0, k1) == (q0, q1)
+                    blocks = plan_tile([(0, q1 - q0, p0)], [(0, k1 - k0, kp0)], window, same_tokens=same,
+                                       q_docs=docs(me, q0, q1), k_docs=docs(rank, k0, k1))
+                    if not blocks:
+                        continue
+                    rows, cols = tile_span(blocks)
+                    self.tiles.append((slice(q0 + rows.start, q0 + rows.stop),
+                                       slice(rank * s + k0 + cols.start, rank * s + k0 + cols.stop),
+                                       [blk.shift(rows.start, cols.start) for blk in blocks]))
 
     def count(self):
         if WORK_COUNTER.enabled:
-            for rows, cols, diagonal, segments in self.tiles:
-                n = rows.stop - rows.start
-                dense = n * (n + 1) // 2 if diagonal else n * (cols.stop - cols.start)
+            for _, _, blocks in self.tiles:
                 WORK_COUNTER.add("tiles", 1)
-                WORK_COUNTER.add("pairs", dense if segments is None else segment_pairs(segments, diagonal))
+                WORK_COUNTER.add("pairs", sum(blk.pairs() for blk in blocks))
 
 
 # torch 2.13 renames the tensor collectives (*_into_tensor / *_tensor are deprecated there).
@@ -108,138 +93,61 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's K/V, rank after rank: ``[C*s, 2, b, hk, d]`` (sequence first, so the
-    all-gather writes it in place and the kernel views need no copy)."""
+    """Every rank's K/V, rank after rank: ``[C*s, b, hk, d_qk + d_v]`` (sequence first, k and v side
+    by side, so the all-gather writes it in place and the kernel views need no copy)."""
     size, rank, s = dist.get_world_size(group), dist.get_rank(group), k.shape[2]
-    gathered = k.new_empty((size * s, 2) + k.shape[:2] + k.shape[3:])
+    gathered = k.new_empty((size * s,) + k.shape[:2] + (k.shape[3] + v.shape[3],))
     mine = gathered[rank * s : (rank + 1) * s]  # this rank's K/V go straight into their slot:
-    mine[:, 0].copy_(k.permute(2, 0, 1, 3))  # an in-place all-gather, no local staging copy
-    mine[:, 1].copy_(v.permute(2, 0, 1, 3))
+    mine[..., : k.shape[3]].copy_(k.permute(2, 0, 1, 3))  # an in-place all-gather, no local staging copy
+    mine[..., k.shape[3]:].copy_(v.permute(2, 0, 1, 3))
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("all_gather_kv", mine.nbytes * (size - 1))
     _all_gather_single(gathered, mine, group=group)
     return gathered
 
 
-def _kernel_view(kv_rows: torch.Tensor, which: int) -> torch.Tensor:
-    """Rows of the gathered ``[n, 2, b, hk, d]`` K (0) or V (1) as a kernel-layout [b, hk, n, d] view."""
-    return kv_rows[:, which].permute(1, 2, 0, 3)
+def _kernel_views(kv_rows: torch.Tensor, d_qk: int):
+    """Rows of the gathered ``[n, b, hk, d_qk + d_v]`` K/V as kernel-layout [b, hk, n, d] views (k, v)."""
+    return kv_rows[..., :d_qk].permute(1, 2, 0, 3), kv_rows[..., d_qk:].permute(1, 2, 0, 3)
 
 
 def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group, plan: AllGatherPlan,
-                            kernel: AttnKernel):
-    """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32)."""
+                            kernel: AttnKernel, softmax_offset=None, **_):
+    """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32), finished."""
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = _gather_kv(k, v, group)
     plan.count()
-    for rows, cols, diagonal, segments in plan.tiles:
-        args = (q[:, :, rows], _kernel_view(kv[cols], 0), _kernel_view(kv[cols], 1))
-        if segments is None:
-            o, l = kernel.forward(*args, causal=diagonal, scale=softmax_scale)
-        else:
-            o, l = kernel.forward_segments(*args, segments, causal=diagonal, scale=softmax_scale)
+    for rows, cols, blocks in plan.tiles:
+        kb, vb = _kernel_views(kv[cols], q.shape[-1])
+        o, l = kernel.forward_blocks(q[:, :, rows], kb, vb, blocks, scale=softmax_scale)
         update_out_and_lse(out, lse, o, l, rows)
         del o, l
+    out, lse = add_sink(out, lse, softmax_offset)
     return out.to(q.dtype), lse  # the gathered K/V is freed here: it lives only inside the call
 
 
 def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, group,
-                             plan: AllGatherPlan, kernel: AttnKernel):
+                             plan: AllGatherPlan, kernel: AttnKernel, **_):
     """dq, dk, dv of `all_gather_attn_forward` (K/V gathered again, dK/dV reduce-scattered)."""
-    acc = accum_dtype(q.dtype)
+    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
     kv = _gather_kv(k, v, group)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [C*s, 2, b, hk, d], rank order
-    args = None
-    for rows, cols, diagonal, segments in plan.tiles:
-        args = (dout[:, :, rows], q[:, :, rows], _kernel_view(kv[cols], 0), _kernel_view(kv[cols], 1),
-                out[:, :, rows], lse[:, :, rows])
-        if segments is None:
-            dq_t, dk_t, dv_t = kernel.backward(*args, causal=diagonal, scale=softmax_scale)
-        else:
-            dq_t, dk_t, dv_t = kernel.backward_segments(*args, segments, causal=diagonal, scale=softmax_scale)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [C*s, b, hk, d_qk + d_v], rank order
+    for rows, cols, blocks in plan.tiles:
+        kb, vb = _kernel_views(kv[cols], d_qk)
+        dq_t, dk_t, dv_t = kernel.backward_blocks(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
+                                                  lse[:, :, rows], blocks, scale=softmax_scale)
         dq[:, :, rows] += dq_t
-        dkv[cols, 0] += dk_t.permute(2, 0, 1, 3)
-        dkv[cols, 1] += dv_t.permute(2, 0, 1, 3)
+        dkv[cols, ..., :d_qk] += dk_t.permute(2, 0, 1, 3)
+        dkv[cols, ..., d_qk:] += dv_t.permute(2, 0, 1, 3)
         del dq_t, dk_t, dv_t  # before the next tile's kernel call allocates its own
-    del kv, args
+    del kv
     # Rank i's rows of dK/dV, summed over the ranks, land on rank i: already in rank order.
     mine = torch.empty((dkv.shape[0] // dist.get_world_size(group),) + dkv.shape[1:], dtype=acc, device=q.device)
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("reduce_scatter_dkv", mine.nbytes * (dist.get_world_size(group) - 1))
     _reduce_scatter_single(mine, dkv, group=group)
     to_kernel = lambda x, like: x.permute(1, 2, 0, 3).to(like.dtype)  # [s, b, hk, d] -> [b, hk, s, d]
-    return dq.to(q.dtype), to_kernel(mine[:, 0], k), to_kernel(mine[:, 1], v)
-
-
-class AllGatherAttnFunc(torch.autograd.Function):
-    """Autograd wrapper on kernel-layout [b, h, s, d] tensors; the plan is made once per call."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, positions, kernel_name, document_ids=None):
-        kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
-        if document_ids is not None:
-            check_document_ids(document_ids, q.shape[0], q.shape[2], q.device)
-        plan = AllGatherPlan(positions, group, causal, document_ids)
-        kw = dict(softmax_scale=softmax_scale, causal=causal, group=group, plan=plan, kernel=kernel)
-        out, lse = all_gather_attn_forward(q, k, v, **kw)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kw = kw
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, **ctx.kw)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def all_gather_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    layout: str = "zigzag",
-    positions: Optional[torch.Tensor] = None,
-    kernel: Optional[str] = None,
-    document_ids: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Exact attention over a sequence sharded across ``group``, by all-gathering K/V.
-
-    Args:
-        q: local shard ``[s, b, h, d]``; k, v: ``[s, b, hk, d]`` with h % hk == 0.
-        causal: causal mask over the global sequence, or full attention.
-        group: None means megatron's context-parallel group.
-        layout / positions: which global positions this rank holds: ``positions`` when given
-            (any layout, in increasing order), else ``layout`` (zigzag or contiguous) over ``group``.
-        kernel: local kernel name (see `cp_ext.attention.kernels.KERNELS`); None picks one.
-        document_ids: packed documents, integer ``[b, s]`` laid out like q (`cp_ext.attention.documents`).
-
-    Returns the local output shard ``[s, b, h, d]`` in q's dtype; differentiable in q, k, v.
-    """
-    if group is None:
-        from megatron.core import parallel_state as mpu
-
-        group = mpu.get_context_parallel_group()
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"expected [s, b, h, d] q, k, v with k.shape == v.shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if positions is None:
-        from cp_ext.data.sharding import context_parallel_positions
-
-        size = dist.get_world_size(group)
-        positions = context_parallel_positions(q.shape[0] * size, ring_rank=dist.get_rank(group), ring_size=size,
-                                               layout=layout)
-    positions = positions.to(q.device, torch.int64)
-    if positions.numel() != q.shape[0]:
-        raise ValueError(f"positions holds {positions.numel()} tokens but q holds {q.shape[0]}")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    to_kernel = lambda x: x.permute(1, 2, 0, 3)
-    out = AllGatherAttnFunc.apply(to_kernel(q), to_kernel(k), to_kernel(v), scale, causal, group, positions, kernel,
-                                  document_ids)
-    return out.permute(2, 0, 1, 3)
+    return dq.to(q.dtype), to_kernel(mine[..., :d_qk], k), to_kernel(mine[..., d_qk:], v)

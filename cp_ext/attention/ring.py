@@ -51,16 +51,18 @@ and goes home from its last reader in one direct message, instead of the rest of
 ring sub-group after its all-to-all. ``ring_attention`` is the public [s, b, h, d] API.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.documents import all_document_runs, check_document_ids, clip_runs, segment_pairs, tile_segments
+from cp_ext.attention.documents import all_document_runs, check_document_ids
 from cp_ext.attention.kernels import AttnKernel, get_kernel
-from cp_ext.attention.utils import RingComm, accum_dtype, post_p2p, update_out_and_lse
-from cp_ext.data.sharding import LAYOUTS, check_seq_len
+from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
+from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
+from cp_ext.data.sharding import LAYOUTS, check_seq_len, context_parallel_positions
 from cp_ext.perf.counter import WORK_COUNTER
 
 ALL, FIRST, SECOND = "all", "first", "second"
@@ -97,42 +99,38 @@ def _rows(part: str, s: int) -> slice:
 class RingSchedule:
     """What this rank computes at each ring step, and which KV blocks travel how far.
 
-    Without documents: `step_plan` at every one of the C steps, dense tiles (``segments`` None),
-    and every block goes all the way round. With ``document_ids`` (this rank's [b, s] ids) the
-    segments of every (rank, step) tile are known on every rank (one all-gather of the ids), so
-    this rank skips its empty tiles, and a block travels only as far as a rank still needs it:
-    ``reach[src]`` is the last step at which some rank computes with block ``src`` (rank
-    ``src + reach`` at step ``reach``), and the ranks in between pass it on. The ring runs
-    ``num_steps = max(reach) + 1`` steps on every rank.
+    Every (rank, step) tile is planned from the mask (`cp_ext.attention.masks.plan_tile`: the
+    ring ranks' positions, the window, and with ``document_ids`` every rank's documents, from one
+    all-gather of the ids), so each rank knows every tile: it skips its empty ones, and a block
+    travels only as far as a rank still reads it: ``reach[src]`` is the last step at which some
+    rank computes with block ``src`` (rank ``src + reach`` at step ``reach``), the ranks in between
+    pass it on, and the ring runs ``num_steps = max(reach) + 1`` steps on every rank. A window
+    shortens the reach as documents do. Without either, every block goes all the way round and
+    each tile is the one rectangle of `step_plan`.
     """
 
-    def __init__(self, rank, size, s, causal, layout, group=None, document_ids=None):
+    def __init__(self, rank, size, s, causal, layout, group=None, document_ids=None, window_size=None):
         self.rank, self.size = rank, size
-        self.steps, self.reach = [], [size - 1] * size
-        if document_ids is None:
+        window = make_window(window_size, causal)
+        runs = [position_runs(ring_positions(s, r, size, layout)) for r in range(size)]
+        docs = all_document_runs(document_ids, group) if document_ids is not None else None
+        planned = range(size) if docs is not None or window_size is not None else [rank]
+        self.reach = [size - 1] * size if len(planned) == 1 else [0] * size
+        self.steps = []
+        for r in planned:
             for step in range(size):
-                plan = step_plan(rank, size, step, causal, layout)
-                self.steps.append(None if plan is None else (plan, None))
-            self.num_steps = size
-            return
-        runs = all_document_runs(document_ids, group)
-        self.reach = [0] * size
-        for r in range(size):
-            for step in range(size):
-                plan = step_plan(r, size, step, causal, layout)
-                segments = None
-                if plan is not None:
-                    q_runs = clip_runs(runs[r], _rows(plan.q_part, s), s)
-                    segments = tile_segments(q_runs, clip_runs(runs[plan.src], _rows(plan.kv_part, s), s))
-                if segments:
-                    self.reach[plan.src] = max(self.reach[plan.src], step)
+                src = (r - step) % size
+                blocks = plan_tile(runs[r], runs[src], window, same_tokens=src == r,
+                                   q_docs=None if docs is None else docs[r], k_docs=None if docs is None else docs[src])
+                if blocks and len(planned) > 1:
+                    self.reach[src] = max(self.reach[src], step)
                 if r == rank:
-                    self.steps.append((plan, segments) if segments else None)
+                    self.steps.append(_tile(blocks))
         self.num_steps = max(self.reach) + 1
         del self.steps[self.num_steps:]
 
     def tile(self, step):
-        """(Step, segments or None for a dense tile), or None when this rank computes nothing."""
+        """(q rows, k rows, blocks shifted to them), or None when this rank computes nothing."""
         return self.steps[step]
 
     def holds(self, step, rank=None):
@@ -145,20 +143,41 @@ class RingSchedule:
         return self.holds(step + 1, (self.rank + 1) % self.size)
 
 
-def _count(plan, segments, s):
+def _tile(blocks):
+    if not blocks:
+        return None
+    rows, cols = tile_span(blocks)
+    return rows, cols, [b.shift(rows.start, cols.start) for b in blocks]
+
+
+@functools.lru_cache(maxsize=256)
+def ring_positions(s: int, rank: int, size: int, layout: str):
+    """Global positions (in the ring's sequence) of ring rank ``rank``'s ``s`` local rows."""
+    return tuple(context_parallel_positions(s * size, ring_rank=rank, ring_size=size, layout=layout).tolist())
+
+
+def _count(blocks):
     if WORK_COUNTER.enabled:  # opt-in (tools/bench_attention.py): tiles and query-key pairs computed
-        rows = len(range(*_rows(plan.q_part, s).indices(s)))
-        cols = len(range(*_rows(plan.kv_part, s).indices(s)))
-        dense = rows * (rows + 1) // 2 if plan.causal else rows * cols
         WORK_COUNTER.add("tiles", 1)
-        WORK_COUNTER.add("pairs", dense if segments is None else segment_pairs(segments, plan.causal))
+        WORK_COUNTER.add("pairs", sum(b.pairs() for b in blocks))
+
+
+def pack_kv(k, v):
+    """One message per ring step: k and v stacked ([2, b, hk, s, d]), or side by side on the last
+    dim when their head dims differ (MLA: [b, hk, s, d_qk + d_v])."""
+    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k, v], dim=-1)
+
+
+def unpack_kv(kv, d_qk):
+    return (kv[0], kv[1]) if kv.dim() == 5 else (kv[..., :d_qk], kv[..., d_qk:])
 
 
 def _check_local(q, k, v, size, layout):
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"expected 4-d q, k, v with k.shape == v.shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"expected 4-d q, k, v with k and v of one [b, hk, s], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     s = q.shape[2]
     if k.shape[2] != s or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, sequence or head_dim")
@@ -171,36 +190,30 @@ def _check_local(q, k, v, size, layout):
             raise ValueError(f"local zigzag shard of length {s} is not two equal chunks: {e}") from None
 
 
-def ring_attn_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    group: Optional[dist.ProcessGroup],
-    layout: str = "zigzag",
-    kernel: Optional[AttnKernel] = None,
-    document_ids: Optional[torch.Tensor] = None,
-    schedule: Optional[RingSchedule] = None,
-):
-    """Forward over the ring on local shards q [b, h, s, d], k/v [b, hk, s, d].
+def ring_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group: Optional[dist.ProcessGroup],
+                      layout: str = "zigzag", kernel: Optional[AttnKernel] = None,
+                      document_ids: Optional[torch.Tensor] = None, schedule: Optional[RingSchedule] = None,
+                      window_size=None, softmax_offset: Optional[torch.Tensor] = None):
+    """Forward over the ring on local shards q [b, h, s, d], k [b, hk, s, d], v [b, hk, s, d_v].
 
-    ``document_ids`` [b, s]: this rank's document ids (packed documents), or None.
-    Returns (out [b, h, s, d] in q.dtype, lse [b, h, s] in fp32 / fp64 for fp64 inputs).
+    ``document_ids`` [b, s]: this rank's document ids (packed documents), or None; ``window_size``
+    (left, right) as in `cp_ext.attention.masks`; ``softmax_offset`` [h]: the sink logits of these
+    heads, added in the finish step (`cp_ext.attention.utils.add_sink`).
+    Returns (out [b, h, s, d_v] in q.dtype, lse [b, h, s] in fp32 / fp64 for fp64 inputs), finished.
     """
     comm = RingComm(group)
     _check_local(q, k, v, comm.world_size, layout)
-    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
-    acc = accum_dtype(q.dtype)
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                                  window=window_size is not None)
+    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
     s = q.shape[2]
     if schedule is None:
         if document_ids is not None:
             check_document_ids(document_ids, q.shape[0], s, q.device)
-        schedule = RingSchedule(comm.rank, comm.world_size, s, causal, layout, group, document_ids)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        schedule = RingSchedule(comm.rank, comm.world_size, s, causal, layout, group, document_ids, window_size)
+    out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    kv = torch.stack([k, v])  # one message per step; KV keeps its own (GQA) head count
+    kv = pack_kv(k, v)  # one message per step; KV keeps its own (GQA) head count
     shape = kv.shape  # of every block: a receive buffer while this rank holds none
     for step in range(schedule.num_steps):
         send, recv = schedule.passes_on(step), schedule.holds(step + 1)
@@ -208,51 +221,38 @@ def ring_attn_forward(
             next_kv = comm.send_recv(kv, None if kv is not None else k.new_empty(shape), send=send, recv=recv)
         tile = schedule.tile(step)
         if tile is not None:
-            plan, segments = tile
-            qs, ks = _rows(plan.q_part, s), _rows(plan.kv_part, s)
-            _count(plan, segments, s)
-            args = (q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks])
-            if segments is None:
-                block_out, block_lse = kernel.forward(*args, causal=plan.causal, scale=softmax_scale)
-            else:
-                block_out, block_lse = kernel.forward_segments(*args, segments, causal=plan.causal, scale=softmax_scale)
-            update_out_and_lse(out, lse, block_out, block_lse, qs)
+            rows, cols, blocks = tile
+            _count(blocks)
+            kb, vb = unpack_kv(kv, d_qk)
+            block_out, block_lse = kernel.forward_blocks(q[:, :, rows], kb[:, :, cols], vb[:, :, cols], blocks,
+                                                         scale=softmax_scale)
+            update_out_and_lse(out, lse, block_out, block_lse, rows)
         if send or recv:
             comm.wait()
             kv = next_kv if recv else None
+    out, lse = add_sink(out, lse, softmax_offset)
     return out.to(q.dtype), lse
 
 
-def ring_attn_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    group: Optional[dist.ProcessGroup],
-    layout: str = "zigzag",
-    kernel: Optional[AttnKernel] = None,
-    document_ids: Optional[torch.Tensor] = None,
-    schedule: Optional[RingSchedule] = None,
-):
-    """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned
-    (``document_ids`` / ``schedule`` as there).
+def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool,
+                       group: Optional[dist.ProcessGroup], layout: str = "zigzag", kernel: Optional[AttnKernel] = None,
+                       document_ids: Optional[torch.Tensor] = None, schedule: Optional[RingSchedule] = None,
+                       window_size=None, **_):
+    """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned (finished:
+    a sink needs nothing more here; its own gradient is `cp_ext.attention.utils.sink_grad`).
 
     Returns (dq, dk, dv) in the dtypes and shapes of (q, k, v).
     """
     kv_comm, dkv_comm = RingComm(group), RingComm(group)
     size, rank = kv_comm.world_size, kv_comm.rank
-    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1])
-    acc = accum_dtype(q.dtype)
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                                  window=window_size is not None)
+    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
     s = q.shape[2]
     if schedule is None:
-        schedule = RingSchedule(rank, size, s, causal, layout, group, document_ids)
+        schedule = RingSchedule(rank, size, s, causal, layout, group, document_ids, window_size)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
+    kv = pack_kv(k, v)
     shape = kv.shape  # of every block and accumulator
     block = lambda dtype: torch.empty(shape, dtype=dtype, device=q.device)  # a receive buffer
     dkv = next_dkv = own = None
@@ -264,14 +264,11 @@ def ring_attn_backward(
             next_kv = kv_comm.send_recv(kv, None if kv is not None else block(k.dtype), send=send, recv=recv)
         tile = schedule.tile(step)
         if tile is not None:
-            plan, segments = tile
-            qs, ks = _rows(plan.q_part, s), _rows(plan.kv_part, s)
-            args = (dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs])
-            if segments is None:
-                dq_s, dk_s, dv_s = kernel.backward(*args, causal=plan.causal, scale=softmax_scale)
-            else:
-                dq_s, dk_s, dv_s = kernel.backward_segments(*args, segments, causal=plan.causal, scale=softmax_scale)
-            dq[:, :, qs].add_(dq_s)
+            rows, cols, blocks = tile
+            kb, vb = unpack_kv(kv, d_qk)
+            dq_s, dk_s, dv_s = kernel.backward_blocks(dout[:, :, rows], q[:, :, rows], kb[:, :, cols], vb[:, :, cols],
+                                                      out[:, :, rows], lse[:, :, rows], blocks, scale=softmax_scale)
+            dq[:, :, rows].add_(dq_s)
         # dK/dV accumulator of block `src`: started here at step 0, received from rank-1 after.
         if step == 0:
             dkv = torch.zeros(shape, dtype=acc, device=q.device)
@@ -279,8 +276,9 @@ def ring_attn_backward(
             dkv_comm.wait()
             dkv = next_dkv
         if tile is not None:
-            dkv[0][:, :, ks].add_(dk_s)
-            dkv[1][:, :, ks].add_(dv_s)
+            dk_acc, dv_acc = unpack_kv(dkv, d_qk)
+            dk_acc[:, :, cols].add_(dk_s)
+            dv_acc[:, :, cols].add_(dv_s)
         if dkv is not None and not send:  # no rank after this one reads block `src`
             if step == 0:
                 own = dkv  # nobody else reads this rank's own block: its dK/dV is complete
@@ -303,8 +301,8 @@ def ring_attn_backward(
         received = _send_home(group, ended, back_from, block(acc) if back_from > 0 else None)
         if back_from > 0:
             own = received
-    dkv = own
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = unpack_kv(own, d_qk)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _send_home(group, ended, back_from, buf):
@@ -319,75 +317,3 @@ def _send_home(group, ended, back_from, buf):
     for req in post_p2p(ops, group):
         req.wait()
     return buf
-
-
-class RingAttnFunc(torch.autograd.Function):
-    """Thin autograd wrapper: kernel-layout [b, h, s, d] tensors, any ring group.
-
-    With ``document_ids`` the schedule (every tile's segments) is planned once in the forward
-    and reused by the backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, group, layout, kernel_name, document_ids=None):
-        kernel = get_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
-        comm = RingComm(group)
-        _check_local(q, k, v, comm.world_size, layout)
-        if document_ids is not None:
-            check_document_ids(document_ids, q.shape[0], q.shape[2], q.device)
-        schedule = RingSchedule(comm.rank, comm.world_size, q.shape[2], causal, layout, group, document_ids)
-        out, lse = ring_attn_forward(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel,
-            schedule=schedule,
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = dict(softmax_scale=softmax_scale, causal=causal, group=group, layout=layout, kernel=kernel,
-                        schedule=schedule)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    layout: str = "zigzag",
-    kernel: Optional[str] = None,
-    document_ids: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Exact attention over a sequence sharded across a process group.
-
-    Args:
-        q: local shard ``[s, b, h, d]`` (megatron layout); k, v: ``[s, b, hk, d]``, h % hk == 0.
-        causal: causal mask over the *global* sequence, or full attention.
-        softmax_scale: defaults to ``1 / sqrt(d)``.
-        group: the ring; None means `cp_ext.parallel_state.get_ring_group()`. Any process
-            group may be passed; shards are by rank within it.
-        layout: ``"zigzag"`` (shards from `cp_ext.data.zigzag_shard`, the default) or
-            ``"contiguous"`` (rank r holds the r-th slice).
-        kernel: local kernel name (see `cp_ext.attention.kernels.KERNELS`); None picks one.
-        document_ids: packed documents, integer ``[b, s]`` laid out like q (see
-            `cp_ext.attention.documents`): a token attends only within its document. None:
-            one document per sample.
-
-    Returns the local output shard ``[s, b, h, d]`` in q's dtype; differentiable in q, k, v.
-    """
-    if group is None:
-        from cp_ext import parallel_state
-
-        group = parallel_state.get_ring_group()
-    if q.dim() != 4:
-        raise ValueError(f"ring_attention takes [s, b, h, d] tensors, got q of shape {tuple(q.shape)}")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    to_kernel = lambda x: x.permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d] (a view)
-    out = RingAttnFunc.apply(to_kernel(q), to_kernel(k), to_kernel(v), scale, causal, group, layout, kernel,
-                             document_ids)
-    return out.permute(2, 0, 1, 3)

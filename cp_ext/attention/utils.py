@@ -109,3 +109,29 @@ def update_out_and_lse(
     weight = torch.sigmoid(b_lse - l).nan_to_num_(0.0)
     o.add_(weight.unsqueeze(-1) * (block_out.to(out.dtype) - o))
     l.copy_(torch.logaddexp(l, b_lse))
+
+
+def add_sink(out: torch.Tensor, lse: torch.Tensor, softmax_offset: Optional[torch.Tensor]):
+    """The finish step, where an attention sink enters: ``softmax_offset`` [h] (one logit per head of
+    ``out`` [b, h, s, d], ``lse`` [b, h, s]) joins every row's softmax denominator and no value:
+
+        lse' = logaddexp(lse, offset_h)      out' = out * exp(lse - lse') = out * sigmoid(lse - offset_h)
+
+    A row that saw no key (lse -inf) gets out 0 and lse' = offset_h, never NaN. Returns (out', lse')
+    (new tensors, out' in out's dtype); None changes nothing. The backward needs nothing else: with
+    the finished out' and lse' every kernel's P = exp(s - lse') and D = rowsum(dout * out') are the
+    sink-softmax's own, and `sink_grad` gives the offset's gradient."""
+    if softmax_offset is None:
+        return out, lse
+    off = softmax_offset.to(lse.dtype).view(1, -1, 1)
+    weight = torch.sigmoid(lse - off)
+    return (out * weight.unsqueeze(-1).to(out.dtype)), torch.logaddexp(lse, off)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_offset: torch.Tensor) -> torch.Tensor:
+    """d loss / d offset_h = -sum over rows of p_sink * D, with p_sink = exp(offset_h - lse') and
+    D = rowsum(dout * out') (the sink's value is 0, so its dP is 0): this rank's share, [h]."""
+    acc = lse.dtype
+    d = (dout.to(acc) * out.to(acc)).sum(-1)
+    p_sink = torch.exp(softmax_offset.to(acc).view(1, -1, 1) - lse)
+    return -(p_sink * d).sum((0, 2))

@@ -19,7 +19,7 @@ when hk < U (none otherwise):
     forward : (U-1)/U x (q + k + v + out)    q = out = b h s_local d e, k = v = b hk' s_local d e
     backward: (U-1)/U x (dout + dq + dk + dv) = the forward's bytes
 
-Hybrid (`cp_ext.attention.hybrid`), C = U x R: Ulysses on the s/C-token shard, then the ring
+Hybrid (`cp_ext.attention.dispatch`), C = U x R: Ulysses on the s/C-token shard, then the ring
 over R ranks on s/R tokens with h/U query heads and hk'/U KV heads.
 
 All-gather (`cp_ext.attention.all_gather`), C ranks: K/V all-gathered in the forward and again

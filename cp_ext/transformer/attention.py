@@ -116,7 +116,7 @@ class CoreAttention(MegatronModule):
             if out is not None:
                 return out.reshape(seq, batch, heads * head_dim)
         if parallel_state.get_context_parallel_world_size() > 1:
-            from cp_ext.attention.hybrid import context_parallel_attention
+            from cp_ext.attention.dispatch import context_parallel_attention
 
             if self.dropout_p and self.training:
                 raise NotImplementedError("attention dropout is not supported with context parallelism")
@@ -130,15 +130,15 @@ class CoreAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         # An explicitly chosen kernel, or packed documents (one kernel call per document): no dropout.
         if self.kernel not in ("auto", "unfused") or document_ids is not None:
-            from cp_ext.attention.ulysses import LocalAttnFunc
+            from cp_ext.attention.dispatch import local_attention
 
             if dropout_p:
                 raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel"
                                           + (" with document masks" if document_ids is not None else ""))
             scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
-            out = LocalAttnFunc.apply(q, k, v, scale, causal, None if self.kernel == "auto" else self.kernel,
-                                      document_ids)
-            return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+            out = local_attention(query, key, value, causal=causal, softmax_scale=scale,
+                                  kernel=None if self.kernel == "auto" else self.kernel, document_ids=document_ids)
+            return out.reshape(seq, batch, heads * head_dim)
         # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
         math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
         # Dropout inside attention acts on head-sharded data: use the TP-rank stream.

@@ -32,23 +32,24 @@ from collections import deque
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
-from cp_ext.attention.hybrid import cp_attention_backward, cp_attention_forward
+from cp_ext.attention.dispatch import cp_attention_backward, cp_attention_forward
 
 
 class ReplayAttention(torch.autograd.Function):
     """Returns the kept output of the first forward; its backward is the CP attention backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, lse, plan, attn_kwargs):
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, softmax_offset, out, lse, plan, attn_kwargs):
+        ctx.save_for_backward(q, k, v, out, lse, softmax_offset)
         ctx.plan, ctx.attn_kwargs = plan, attn_kwargs
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, **ctx.attn_kwargs)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse, softmax_offset = ctx.saved_tensors
+        dq, dk, dv, d_offset = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, softmax_offset=softmax_offset,
+                                                     **ctx.attn_kwargs)
+        return dq, dk, dv, d_offset, None, None, None, None
 
 
 class KeptAttention:
@@ -68,8 +69,9 @@ class KeptAttention:
         """Attention over the CP groups; inside megatron's checkpoint, keep or replay its output."""
         if not is_checkpointing():
             return None  # not a checkpointed layer: the caller's normal (autograd) path
+        offset = attn_kwargs.pop("softmax_offset", None)  # a parameter: an autograd input of the replay
         if not torch.is_grad_enabled():  # the first forward of a checkpointed layer
-            out, lse, plan = cp_attention_forward(q, k, v, **attn_kwargs)
+            out, lse, plan = cp_attention_forward(q, k, v, softmax_offset=offset, **attn_kwargs)
             self._kept.append((out, lse, plan))
             KeptAttention.live_bytes += out.nbytes + lse.nbytes
             return out
@@ -82,7 +84,7 @@ class KeptAttention:
         if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
             raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
                                f"recomputed query {tuple(q.shape)}")
-        return ReplayAttention.apply(q, k, v, out, lse, plan, attn_kwargs)
+        return ReplayAttention.apply(q, k, v, offset, out, lse, plan, attn_kwargs)
 
     def clear(self):
         while self._kept:

@@ -59,9 +59,9 @@ def test_kernel_forward_backward(dtype, causal, hk):
 @pytest.mark.parametrize("variant", ["ring", "ulysses", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cp_paths_on_one_gpu(nccl_world, variant, dtype):
-    from cp_ext.attention.hybrid import hybrid_attention
-    from cp_ext.attention.ring import ring_attention
-    from cp_ext.attention.ulysses import ulysses_attention
+    from cp_ext.attention.dispatch import hybrid_attention
+    from cp_ext.attention import ring_attention
+    from cp_ext.attention import ulysses_attention
 
     g = torch.Generator().manual_seed(1)
     q, dout = (torch.randn(512, 2, 8, 64, generator=g) for _ in range(2))  # [s, b, h, d]

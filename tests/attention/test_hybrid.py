@@ -91,7 +91,7 @@ def _run(case, ulysses_group, ring_group, sends, posts):
     import torch.distributed as dist
 
     from cp_ext import parallel_state as ps
-    from cp_ext.attention.hybrid import context_parallel_attention, hybrid_attention
+    from cp_ext.attention.dispatch import context_parallel_attention, hybrid_attention
     from cp_ext.data.sharding import context_parallel_positions
 
     if case["via"] == "cpattn":
@@ -118,20 +118,20 @@ def _run(case, ulysses_group, ring_group, sends, posts):
 def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
     """What CP-aware recompute does: the forward once (no autograd), then the replay whose
     backward is `cp_attention_backward` on the kept out and LSE."""
-    from cp_ext.attention.hybrid import cp_attention_forward
+    from cp_ext.attention.dispatch import cp_attention_forward
     from cp_ext.transformer.recompute import ReplayAttention
 
     kwargs = dict(causal=case["causal"], softmax_scale=q.shape[-1] ** -0.5, ulysses_group=ulysses_group,
                   ring_group=ring_group, layout=case["layout"])
     out, lse, plan = cp_attention_forward(q, k, v, **kwargs)
     assert not out.requires_grad and lse.shape == (q.shape[1], q.shape[2] // case["U"], q.shape[0] * case["U"])
-    return ReplayAttention.apply(q, k, v, out, lse, plan, kwargs)
+    return ReplayAttention.apply(q, k, v, None, out, lse, plan, kwargs)
 
 
 def _errors(ulysses_group, ring_group):
     import torch
 
-    from cp_ext.attention.hybrid import hybrid_attention
+    from cp_ext.attention.dispatch import hybrid_attention
 
     msgs = {}
     for key, h, layout in [("h3_u2", 3, "zigzag"), ("bad_layout", 4, "zigzag-ish")]:

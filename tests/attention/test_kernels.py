@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_ext.attention.kernels as kernels_module
+import cp_ext.attention.kernels.sdpa_cuda as sdpa_cuda
 from cp_ext.attention.kernels import (
     PREFERENCE,
     CpuSdpaKernel,
@@ -314,7 +315,7 @@ def test_efficient_backward_gets_out_and_dout_packed_as_bshd(monkeypatch, dtype)
     the ring hands it a [b, h, s, d]-contiguous merged output. What reaches the op must be packed
     like the forward's own output, and q/k/v must have a contiguous last dim."""
     rec = _RecordingAten()
-    monkeypatch.setattr(kernels_module, "aten", rec)
+    monkeypatch.setattr(sdpa_cuda, "aten", rec)
     b, h, s, d = 2, 4, 40, 64
     q, k, v, dout = _meta_qkv(b, h, h, s, d, dtype)
     kern = CudaEfficientSdpaKernel()

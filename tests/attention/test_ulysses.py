@@ -67,7 +67,7 @@ CASES = _cases()
 def _errors(group):
     import torch
 
-    from cp_ext.attention.ulysses import ulysses_attention
+    from cp_ext.attention import ulysses_attention
 
     msgs = {}
     for key, h, hk in [("h6_u4", 6, 6), ("h6_kv1_u4", 6, 1), ("h4_kv3_u4", 4, 3)]:
@@ -83,7 +83,7 @@ def _errors(group):
 def main():
     import torch.distributed as dist
 
-    from cp_ext.attention.ulysses import ulysses_attention
+    from cp_ext.attention import ulysses_attention
     from cp_ext.data.sharding import context_parallel_positions
 
     args = worker_args()

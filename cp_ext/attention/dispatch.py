@@ -1,0 +1,319 @@
+"""The one CP-attention dispatcher: every variant, the autograd path and the recompute path.
+
+    q, k, v [s, b, h, d] shards --(Ulysses all-to-all: this rank's heads, the ring shard)-->
+    [b, h/U, U*s, d] --(core: one local call, the ring, or all-gather)--> (out, lse)
+    --(finish: the sink, `cp_ext.attention.utils.add_sink`)--> --(all-to-all back)--> out
+
+`_Plan` is made once per call from the groups and the mask (causal, ``window_size``,
+``document_ids``; `cp_ext.attention.masks`): the kernel, and the core's tiles (the local call's
+blocks, the ring's `RingSchedule`, or the `AllGatherPlan`). `cp_attention_forward` /
+`cp_attention_backward` run it with no autograd; `CPAttnFunc` is their autograd Function (it
+keeps the head-layout tensors for its backward, so the backward exchanges only dout and the
+gradients), and CP-aware recompute (`cp_ext.transformer.recompute`) keeps the forward's out and
+LSE and calls the same backward later. The public functions differ only in the groups they pass:
+
+    ring_attention        U = 1, the ring group          (cp_ext.attention.ring)
+    ulysses_attention     R = 1, the Ulysses group        (cp_ext.attention.ulysses)
+    hybrid_attention      U x R, any sizes
+    all_gather_attention  K/V all-gathered over a group   (cp_ext.attention.all_gather)
+    context_parallel_attention  the model's: the groups of cp_ext.parallel_state, or all_gather
+
+All take ``window_size=None`` ((left, right), -1 unbounded; causal is right = 0),
+``softmax_offset=None`` (``[h]`` sink logits, one per local head; its gradient is this rank's
+share, from its queries: the DP x CP reduction sums the shares), ``document_ids=None``, and a v
+whose head dim may differ from q/k's (MLA).
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cp_ext.attention.all_gather import AllGatherPlan, all_gather_attn_backward, all_gather_attn_forward
+from cp_ext.attention.documents import check_document_ids, document_runs, gather_document_ids
+from cp_ext.attention.kernels import get_kernel
+from cp_ext.attention.masks import make_window, plan_tile
+from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
+from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads
+from cp_ext.attention.utils import accum_dtype, add_sink, sink_grad
+from cp_ext.data.sharding import LAYOUTS
+
+
+def _check_inputs(q, k, v, softmax_offset):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"expected [s, b, h, d] q and [s, b, hk, d] k, v (v may have its own head dim), got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on sequence, batch or head dim")
+    if softmax_offset is not None and (not isinstance(softmax_offset, torch.Tensor) or softmax_offset.dim() != 1
+                                       or softmax_offset.shape[0] != q.shape[2]
+                                       or not softmax_offset.dtype.is_floating_point):
+        got = tuple(softmax_offset.shape) if isinstance(softmax_offset, torch.Tensor) else type(softmax_offset).__name__
+        raise ValueError(f"softmax_offset must be a float [h] = [{q.shape[2]}] tensor (one sink logit per query "
+                         f"head of q), got {got}")
+
+
+class _Plan:
+    """What forward and backward share: the groups, the kernel, KV replicas, the core's tiles."""
+
+    def __init__(self, q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout, kernel,
+                 document_ids, comm_type, window_size):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        make_window(window_size, causal)  # a malformed window fails here, before any exchange
+        self.causal, self.layout, self.window_size = causal, layout, window_size
+        self.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        self.kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                                 window=window_size is not None)
+        self.ring_group, self.all_gather, self.schedule, self.blocks = ring_group, None, None, None
+        if document_ids is not None:
+            check_document_ids(document_ids, q.shape[1], q.shape[0], q.device)
+        if comm_type == "all_gather" or (isinstance(comm_type, tuple) and comm_type[0] == "all_gather"):
+            group, positions = _all_gather_layout(q, layout, comm_type)
+            self.ulysses_group, self.rep, self.heads = None, 1, slice(None)
+            self.all_gather = dict(group=group, plan=AllGatherPlan(positions, group, causal, document_ids, window_size))
+            return
+        self.ulysses_group = None if _size(ulysses_group) == 1 else ulysses_group
+        size, rank = _size(ulysses_group), _rank(ulysses_group)
+        self.rep = kv_replicas(q.shape[2], k.shape[2], size)
+        per = q.shape[2] // size
+        self.heads = slice(rank * per, (rank + 1) * per)  # this rank's query heads after the exchange
+        ids = document_ids if document_ids is None or size == 1 else gather_document_ids(document_ids, ulysses_group)
+        n = q.shape[0] * size  # the ring shard this rank's heads see
+        if _size(ring_group) == 1:
+            docs = document_runs(ids) if ids is not None else None
+            self.blocks = plan_tile([(0, n, 0)], [(0, n, 0)], make_window(window_size, causal), same_tokens=True,
+                                    q_docs=docs, k_docs=docs)
+        else:
+            self.schedule = RingSchedule(dist.get_rank(ring_group), dist.get_world_size(ring_group), n, causal, layout,
+                                         ring_group, ids, window_size)
+
+    # the exchange: [s, b, h, d] pieces <-> kernel layout [b, h/U, U*s, d] (a view when U = 1)
+    def to_heads(self, x, rep=1):
+        if rep > 1:
+            x = x.repeat_interleave(rep, dim=2)
+        if self.ulysses_group is not None:
+            x = seq_to_heads(x, self.ulysses_group)
+        return x.permute(1, 2, 0, 3)
+
+    def from_heads(self, x):
+        x = x.permute(2, 0, 1, 3)
+        return heads_to_seq(x, self.ulysses_group) if self.ulysses_group is not None else x
+
+    def core_forward(self, qh, kh, vh, offset):
+        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel, softmax_offset=offset)
+        if self.all_gather is not None:
+            return all_gather_attn_forward(qh, kh, vh, **kw, **self.all_gather)
+        if self.schedule is not None:
+            return ring_attn_forward(qh, kh, vh, group=self.ring_group, layout=self.layout, schedule=self.schedule,
+                                     window_size=self.window_size, **kw)
+        out, lse = self.kernel.forward_blocks(qh, kh, vh, self.blocks, scale=self.scale)
+        out, lse = add_sink(out.to(accum_dtype(qh.dtype)) if offset is not None else out, lse, offset)
+        return out.to(qh.dtype), lse
+
+    def core_backward(self, douth, qh, kh, vh, outh, lse):
+        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel)
+        if self.all_gather is not None:
+            return all_gather_attn_backward(douth, qh, kh, vh, outh, lse, **kw, **self.all_gather)
+        if self.schedule is not None:
+            return ring_attn_backward(douth, qh, kh, vh, outh, lse, group=self.ring_group, layout=self.layout,
+                                      schedule=self.schedule, window_size=self.window_size, **kw)
+        dq, dk, dv = self.kernel.backward_blocks(douth, qh, kh, vh, outh, lse, self.blocks, scale=self.scale)
+        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)
+
+    def grads_to_seq(self, dqh, dkh, dvh, dtypes):
+        dq, dk, dv = (self.from_heads(g.to(dt)) for g, dt in zip((dqh, dkh, dvh), dtypes))
+        if self.rep > 1:  # the replicas' gradients sum back onto their KV head
+            dk, dv = (g.unflatten(2, (g.shape[2] // self.rep, self.rep)).sum(3) for g in (dk, dv))
+        return dq, dk, dv
+
+    def offset_grad(self, douth, outh, lse, offset, full):
+        """This rank's share of the sink's gradient, as a full [h] tensor (zero off this rank's heads)."""
+        g = torch.zeros_like(full)
+        g[self.heads] = sink_grad(douth, outh, lse, offset).to(full.dtype)
+        return g
+
+
+def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None,
+                         document_ids=None, comm_type=None, window_size=None, softmax_offset=None):
+    """The forward with no autograd, on [s, b, h, d] shards: ``(out, lse, plan)``.
+
+    ``out`` is the local output shard [s, b, h, d_v]; ``lse`` the finished fp32 log-sum-exp of this
+    rank's heads over the whole sequence, [b, h/U, U*s] ([b, h, s] for all_gather); ``plan`` what
+    the backward reuses. Together with q, k, v that is all `cp_attention_backward` needs.
+    """
+    _check_inputs(q, k, v, softmax_offset)
+    with torch.no_grad():
+        plan = _Plan(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
+                     ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids,
+                     comm_type=comm_type, window_size=window_size)
+        offset = None if softmax_offset is None else softmax_offset.detach()[plan.heads]
+        outh, lse = plan.core_forward(plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep), offset)
+        plan.offset = offset
+        return plan.from_heads(outh), lse, plan
+
+
+def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None, **_):
+    """(dq, dk, dv, d_offset or None) of `cp_attention_forward` from its (out, lse, plan); all [s, b, h, d].
+
+    With U > 1 the head layout of q, k, v, out and dout is rebuilt here by all-to-all (the
+    forward's exchange, once more); the core moves K/V and dK/dV as its forward did."""
+    with torch.no_grad():
+        qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
+        outh, douth = plan.to_heads(out), plan.to_heads(dout)
+        grads = plan.grads_to_seq(*plan.core_backward(douth, qh, kh, vh, outh, lse), (q.dtype, k.dtype, v.dtype))
+        d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, plan.offset, softmax_offset)
+        return grads + (d_offset,)
+
+
+class CPAttnFunc(torch.autograd.Function):
+    """Autograd over the whole dispatcher; keeps the head-layout q, k, v, out for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_offset, args):
+        _check_inputs(q, k, v, softmax_offset)
+        plan = _Plan(q, k, v, **args)
+        qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
+        offset = None if softmax_offset is None else softmax_offset.detach()[plan.heads]
+        outh, lse = plan.core_forward(qh, kh, vh, offset)
+        ctx.save_for_backward(qh, kh, vh, outh, lse, offset, softmax_offset)
+        ctx.plan, ctx.dtypes = plan, (q.dtype, k.dtype, v.dtype)
+        return plan.from_heads(outh)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, kh, vh, outh, lse, offset, full_offset = ctx.saved_tensors
+        plan = ctx.plan
+        douth = plan.to_heads(dout)
+        dqh, dkh, dvh = plan.core_backward(douth, qh, kh, vh, outh, lse)
+        dq, dk, dv = plan.grads_to_seq(dqh, dkh, dvh, ctx.dtypes)
+        d_offset = None if full_offset is None else plan.offset_grad(douth, outh, lse, offset, full_offset)
+        return dq, dk, dv, d_offset, None
+
+
+def _attention(q, k, v, softmax_offset, **args):
+    return CPAttnFunc.apply(q, k, v, softmax_offset, args)
+
+
+def hybrid_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, ulysses_group=None,
+                     ring_group=None, layout: str = "zigzag", kernel: Optional[str] = None, document_ids=None,
+                     window_size=None, softmax_offset=None) -> torch.Tensor:
+    """Exact attention over a sequence sharded over Ulysses x ring groups (`cp_ext.attention.dispatch`'s
+    layout: the ring shards the sequence, each ring shard is cut into U consecutive pieces).
+
+    q: local shard ``[s, b, h, d]`` (h divisible by U); k ``[s, b, hk, d]``, v ``[s, b, hk, d_v]``
+    with h % hk == 0 (hk < U: KV heads are replicated). Groups None: `cp_ext.parallel_state`'s.
+    Returns the local output shard ``[s, b, h, d_v]`` in q's dtype; differentiable in q, k, v and
+    ``softmax_offset``.
+    """
+    if ulysses_group is None or ring_group is None:
+        from cp_ext import parallel_state
+
+        ulysses_group = parallel_state.get_ulysses_group() if ulysses_group is None else ulysses_group
+        ring_group = parallel_state.get_ring_group() if ring_group is None else ring_group
+    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
+                      ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids, comm_type=None,
+                      window_size=window_size)
+
+
+def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None, layout="zigzag",
+                   kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None):
+    """Ring attention over ``group`` (None: `cp_ext.parallel_state.get_ring_group()`), zigzag or
+    contiguous shards (`cp_ext.attention.ring`); arguments as `hybrid_attention`."""
+    if group is None:
+        from cp_ext import parallel_state
+
+        group = parallel_state.get_ring_group()
+    if q.dim() != 4:
+        raise ValueError(f"ring_attention takes [s, b, h, d] tensors, got q of shape {tuple(q.shape)}")
+    return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP, ring_group=group,
+                            layout=layout, kernel=kernel, document_ids=document_ids, window_size=window_size,
+                            softmax_offset=softmax_offset)
+
+
+def ulysses_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None,
+                      kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None):
+    """Ulysses attention over ``group`` (None: `cp_ext.parallel_state.get_ulysses_group()`): rank u
+    holds tokens ``[u*s, (u+1)*s)`` (`cp_ext.attention.ulysses`); arguments as `hybrid_attention`."""
+    if group is None:
+        from cp_ext import parallel_state
+
+        group = parallel_state.get_ulysses_group()
+    return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=group,
+                            ring_group=NO_GROUP, kernel=kernel, document_ids=document_ids, window_size=window_size,
+                            softmax_offset=softmax_offset)
+
+
+def all_gather_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None,
+                         layout: str = "zigzag", positions=None, kernel: Optional[str] = None, document_ids=None,
+                         window_size=None, softmax_offset=None):
+    """K/V all-gathered over ``group`` (None: megatron's CP group), this rank holding ``positions``
+    (default: ``layout`` over ``group``) (`cp_ext.attention.all_gather`); arguments as `hybrid_attention`."""
+    if group is None:
+        from megatron.core import parallel_state as mpu
+
+        group = mpu.get_context_parallel_group()
+    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=None,
+                      ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
+                      comm_type=("all_gather", group, positions), window_size=window_size)
+
+
+def context_parallel_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, layout="zigzag",
+                               kernel: Optional[str] = None, document_ids=None, comm_type: Optional[str] = None,
+                               window_size=None, softmax_offset=None) -> torch.Tensor:
+    """The model's CP attention on the groups of `cp_ext.parallel_state` (local ``[s, b, h, d]``
+    shards, per `get_context_parallel_positions`): ring (U = 1), Ulysses (R = 1) or the hybrid;
+    with ``comm_type="all_gather"``, K/V all-gathered over the whole CP group on the same layout."""
+    from cp_ext import parallel_state
+
+    if comm_type == "all_gather":
+        return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=None,
+                          ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
+                          comm_type="all_gather", window_size=window_size)
+    return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, kernel=kernel,
+                            document_ids=document_ids, ulysses_group=parallel_state.get_ulysses_group(),
+                            ring_group=parallel_state.get_ring_group(), window_size=window_size,
+                            softmax_offset=softmax_offset)
+
+
+NO_GROUP = "none"  # the absent level of the hybrid (ring_attention has no Ulysses group, ulysses_attention no ring)
+
+
+def _size(group):
+    return 1 if group is NO_GROUP else dist.get_world_size(group)
+
+
+def _rank(group):
+    return 0 if group is NO_GROUP else dist.get_rank(group)
+
+
+def _all_gather_layout(q, layout, comm_type):
+    """The all-gather group and this rank's global positions: the run's CP group and layout, or
+    those `all_gather_attention` was given (``comm_type = ("all_gather", group, positions)``)."""
+    from cp_ext.data.sharding import context_parallel_positions
+
+    if isinstance(comm_type, tuple):
+        _, group, positions = comm_type
+        if positions is None:
+            size = dist.get_world_size(group)
+            positions = context_parallel_positions(q.shape[0] * size, ring_rank=dist.get_rank(group), ring_size=size,
+                                                   layout=layout)
+        positions = positions.to(q.device, torch.int64)
+        if positions.numel() != q.shape[0]:
+            raise ValueError(f"positions holds {positions.numel()} tokens but q holds {q.shape[0]}")
+        return group, positions
+    from megatron.core import parallel_state as mpu
+
+    from cp_ext import parallel_state
+
+    group = mpu.get_context_parallel_group()
+    seq_len = q.shape[0] * dist.get_world_size(group)
+    return group, parallel_state.get_context_parallel_positions(seq_len, layout, device=q.device)
+
+
+def local_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
+                    document_ids=None, window_size=None, softmax_offset=None) -> torch.Tensor:
+    """Attention on one rank (CP = 1) through the same kernels, masks and sink; as `hybrid_attention`."""
+    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP,
+                      ring_group=NO_GROUP, layout="contiguous", kernel=kernel, document_ids=document_ids, comm_type=None,
+                      window_size=window_size)
