@@ -154,13 +154,16 @@ def cuda_unusable_reason():
 
 
 def _without_transformer_engine():
-    """Two megatron-core 0.16.1 bugs met on any device when TransformerEngine is not installed.
+    """Three megatron-core 0.16.1 bugs met on any device when TransformerEngine is not installed.
 
     * ``moe_utils.te_general_gemm`` is imported only with TE but read unguarded by the
       router's GEMM (NameError at the first MoE forward); ``None`` selects its torch.mm path.
     * ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None``, i.e. True,
       and then calls TE's FP8GlobalStateManager: ``--recompute-modules layernorm`` fails with
       a NameError. Without TE there is no FP8, so the flag is forced off.
+    * ``multi_latent_attention`` sets ``HAVE_TE = True`` with MagicMock stand-ins when TE's import
+      fails, then ``isinstance(self.linear_proj, TELinear)`` raises TypeError: MLA cannot be built.
+      Without TE, ``HAVE_TE`` is False there, as the module's other checks expect.
     """
     try:
         import transformer_engine  # noqa: F401
@@ -173,6 +176,10 @@ def _without_transformer_engine():
 
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE:
+        _patch(multi_latent_attention, "HAVE_TE", False)
     cls = mcore_random.CheckpointWithoutOutput
     if not getattr(cls.__init__, "_cp_ext_no_te", False):
         original_init = cls.__init__

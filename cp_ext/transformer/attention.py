@@ -43,6 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from cp_ext.transformer.recompute import KeptAttention
 
@@ -60,9 +61,33 @@ class CoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
+        # MLASelfAttention passes its q/k and v head dims (192 / 128 at DeepSeek-V3 size); the
+        # attention itself reads them off the tensors, so these only document the contract.
+        self.k_channels, self.v_channels = k_channels, v_channels
+        # --window-size on the layers megatron's is_layer_window_attention selects (1-based global layer
+        # numbers, --window-attn-skip-freq: every N-th layer, or a 0/1 list, keeps full attention).
+        self.window_size = None
+        if is_layer_window_attention(getattr(config, "window_size", None), getattr(config, "window_attn_skip_freq", None),
+                                     layer_number):
+            self.window_size = tuple(config.window_size)
+        # --softmax-type: megatron's softmax_offset, one sink logit per attention head of this TP rank.
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif softmax_type == "off-by-one":  # a fixed 0 logit: softmax's denominator gains 1
+            self.softmax_offset = torch.zeros(heads, dtype=config.params_dtype)
+        elif softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        else:
+            raise ValueError(f"softmax_type {softmax_type!r} is not one of 'vanilla', 'off-by-one', 'learnable'")
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
@@ -95,10 +120,17 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
+        out_dim = heads * value.shape[-1]  # v's head dim (MLA: v_head_dim, not q's)
+        window, offset = self.window_size, self.softmax_offset
+        if offset is not None and offset.device != query.device:
+            offset = offset.to(query.device)  # off-by-one's fixed zeros follow the model
         document_ids = _document_ids(attention_mask, batch, seq, query.device)
         if self.kv_cache is not None:
             if document_ids is not None:
                 raise NotImplementedError("generation attends over one document; call the model without document ids")
+            if window is not None or offset is not None:
+                raise NotImplementedError("generation with a sliding window or attention sinks is not implemented yet "
+                                          "(--window-size / --softmax-type); generate with a model without them")
             layer = self.layer_number - 1
             if self.kv_cache.decoding:  # one new token against the CP-sharded cache
                 scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
@@ -112,9 +144,10 @@ class CoreAttention(MegatronModule):
                 softmax_scale=head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale),
                 ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
+                window_size=window, softmax_offset=offset,
             )
             if out is not None:
-                return out.reshape(seq, batch, heads * head_dim)
+                return out.reshape(seq, batch, out_dim)
         if parallel_state.get_context_parallel_world_size() > 1:
             from cp_ext.attention.dispatch import context_parallel_attention
 
@@ -123,22 +156,27 @@ class CoreAttention(MegatronModule):
             out = context_parallel_attention(
                 query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout,
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
+                window_size=window, softmax_offset=offset,
             )
-            return out.reshape(seq, batch, heads * head_dim)
+            return out.reshape(seq, batch, out_dim)
         # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        # An explicitly chosen kernel, or packed documents (one kernel call per document): no dropout.
-        if self.kernel not in ("auto", "unfused") or document_ids is not None:
+        # An explicitly chosen kernel, packed documents (one kernel call per document), a window, a sink
+        # or MLA's head dims: cp_ext's own local path (the same kernels and masks as CP > 1), no dropout.
+        if (self.kernel not in ("auto", "unfused") or document_ids is not None or window is not None
+                or offset is not None or value.shape[-1] != head_dim):
             from cp_ext.attention.dispatch import local_attention
 
             if dropout_p:
                 raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel"
-                                          + (" with document masks" if document_ids is not None else ""))
+                                          + (" with document masks, windows or sinks"
+                                             if self.kernel in ("auto", "unfused") else ""))
             scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
             out = local_attention(query, key, value, causal=causal, softmax_scale=scale,
-                                  kernel=None if self.kernel == "auto" else self.kernel, document_ids=document_ids)
-            return out.reshape(seq, batch, heads * head_dim)
+                                  kernel=None if self.kernel == "auto" else self.kernel, document_ids=document_ids,
+                                  window_size=window, softmax_offset=offset)
+            return out.reshape(seq, batch, out_dim)
         # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
         math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
         # Dropout inside attention acts on head-sharded data: use the TP-rank stream.
@@ -147,7 +185,7 @@ class CoreAttention(MegatronModule):
                 q, k, v, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale,
                 enable_gqa=k.shape[1] != q.shape[1],
             )
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, out_dim)
 
 
 def _document_ids(attention_mask, batch, seq, device):

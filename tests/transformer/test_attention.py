@@ -25,7 +25,7 @@ def test_configured_kernel_runs_at_cp1(tmp_path):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.enums import AttnMaskType
-        import cp_ext.attention.ulysses as ulysses
+        import cp_ext.attention.dispatch as ulysses
         from cp_ext.config import ContextParallelTransformerConfig
         from cp_ext.transformer.attention import CoreAttention
         parallel_state.initialize_model_parallel()
