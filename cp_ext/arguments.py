@@ -16,6 +16,8 @@ import time
 
 import yaml
 
+from cp_ext.attention_flags import add_attention_args, attention_flag_problems
+
 
 class ConfigError(ValueError):
     """A bad flag or config value; the message names the flag and the fix."""
@@ -170,6 +172,7 @@ def _add_model_args(parser):
     g.add_argument("--vocab-size", type=POSITIVE, default=None, help="defaults to the tokenizer's")
     g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE, default=128)
     g.add_argument("--bf16", action="store_true")
+    add_attention_args(g)
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "
@@ -808,6 +811,7 @@ def validate_args(args):
         p.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
     p.extend(_device_problems(args))
     p.extend(_attention_problems(args))
+    p.extend(attention_flag_problems(args))
     p.extend(_cp_comm_type_problems(args))
     p.extend(_context_parallel_problems(args))
     p.extend(_recompute_problems(args))

@@ -95,6 +95,10 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels,
+        # attention variants (cp_ext.attention_flags): megatron's fields, applied by CoreAttention
+        window_size=None if args.window_size is None else tuple(args.window_size),
+        window_attn_skip_freq=args.window_attn_skip_freq,
+        softmax_type=args.softmax_type,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,

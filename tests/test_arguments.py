@@ -311,3 +311,42 @@ def test_evaluation_splits():
     assert evaluation_splits(parse_args(["--eval-interval", "5", "--split", "9,1,0"], world_size=1)) == ["valid"]
     assert evaluation_splits(parse_args(["--eval-interval", "5", "--eval-iters", "0"], world_size=1)) == []
     assert evaluation_splits(parse_args([], world_size=1)) == []  # off unless asked for, unlike Megatron-LM
+
+
+# ----------------------------------------------------------------------------- windows and sinks
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "argv, must_name",
+    [
+        (["--window-size", "8,4"], ["--window-size 8,4 looks 4 tokens ahead", "--window-size 8,0"]),
+        (["--window-attn-skip-freq", "2"], ["--window-attn-skip-freq is only read with --window-size"]),
+        (["--num-layers", "4", "--window-size", "8,0", "--window-attn-skip-freq", "[1,0]*3"],
+         ["--window-attn-skip-freq lists 6 layers but --num-layers is 4"]),
+        (CUDA + ["--bf16", "--attention-backend", "flash", "--window-size", "8,0"],
+         ["--window-size needs a kernel that applies a window", "--attention-backend flash",
+          "cpu, efficient, unfused"]),
+    ],
+    ids=["window-looks-ahead", "skip-freq-without-window", "skip-freq-list-length", "window-on-flash"],
+)
+def test_bad_window_flags_name_the_flag(cuda_host, argv, must_name):
+    message = _error(argv, 2)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+@pytest.mark.quick
+def test_window_and_sink_flags_reach_megatrons_config():
+    """Megatron-LM's spellings and parsers (tuple_type, moe_freq_type), megatron's config fields."""
+    from cp_ext.config import transformer_config_from_args
+
+    argv = ["--window-size", "(16,0)", "--window-attn-skip-freq", "[1,1,0]*2", "--num-layers", "6",
+            "--softmax-type", "learnable"]
+    cfg = transformer_config_from_args(parse_args(argv, world_size=1))
+    assert cfg.window_size == (16, 0) and cfg.window_attn_skip_freq == [1, 1, 0, 1, 1, 0]
+    assert cfg.softmax_type == "learnable"
+    args = parse_args(["--window-size", "16,-1", "--window-attn-skip-freq", "3"], world_size=1)  # -1: causal bounds it
+    assert args.window_size == (16, -1) and args.window_attn_skip_freq == 3
+    for bad in (["--window-size", "16"], ["--window-size", "a,b"], ["--window-attn-skip-freq", "[2]"],
+                ["--softmax-type", "sigmoid"]):
+        with pytest.raises((SystemExit, ConfigError)):
+            parse_args(bad, world_size=1)

@@ -17,7 +17,7 @@ document in q against the rows of the same document in k::
     segments: (q rows 3-4, k rows 0-2), (q rows 5-7, k rows 3-4); doc 0 and 3 meet nothing
 
 A tile whose segment list is empty computes nothing, and one that has segments computes only
-the rows and columns that interact (`cp_ext.attention.kernels.AttnKernel.forward_segments`).
+the rows and columns that interact (`cp_ext.attention.kernels.base.AttnKernel.forward_blocks`).
 On a causal diagonal tile (q and k are the same tokens) every segment is square, so the
 kernel's own causal mask is the document-causal mask.
 """

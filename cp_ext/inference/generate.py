@@ -100,7 +100,8 @@ class Generator:
 
     def _cache(self, room: int) -> ShardedKVCache:
         cache = ShardedKVCache(self.config.num_layers, ulysses_group=cp_state.get_ulysses_group(),
-                               ring_group=cp_state.get_ring_group(), room=room, kernel=self.config.attention_kernel)
+                               ring_group=cp_state.get_ring_group(), room=room, kernel=self.config.attention_kernel,
+                               layout=self.layout)
         for layer in self.attention:
             layer.kv_cache = cache
         return cache
@@ -146,6 +147,7 @@ class Generator:
         """One token at global ``position`` through this stage's layers against the cache; [vocab] logits
         on the last pipeline stage (None on the others)."""
         model = self.model
+        cache.position = position  # what a sliding window of the cache measures from
         if self.first_stage:
             ids = torch.full((1, self.sp_size), token, device=self.device)
             hidden = model.embedding(input_ids=ids, position_ids=torch.full_like(ids, position))  # [1, 1, hidden]

@@ -10,7 +10,9 @@ KV heads** (after the GQA replication of `cp_ext.attention.ulysses.kv_replicas`)
     hybrid                rank (u, r): ring shard r, head slice u
 
 so each rank holds 1/C of the cache and no rank holds all of it unless C = 1. Keys are cached
-after RoPE (at their global positions), so their order in the cache does not matter.
+after RoPE (at their global positions), so their order in the cache does not matter; each cached
+token's position is kept beside it, so a sliding window selects the tokens it reaches on every
+rank, and a sink enters after the merge of step 4, as in training's finish step.
 
 Decoding one token (the same hidden state on every CP rank; the new token attends to every
 cached key, so there is no mask)::
@@ -34,7 +36,8 @@ import torch.distributed as dist
 
 from cp_ext.attention.kernels import get_kernel
 from cp_ext.attention.ulysses import kv_replicas, seq_to_heads
-from cp_ext.attention.utils import accum_dtype, update_out_and_lse
+from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
+from cp_ext.data.sharding import context_parallel_positions
 from cp_ext.perf.counter import COMM_COUNTER
 
 
@@ -46,23 +49,31 @@ def decode_bytes_per_token_layer(batch, heads, head_dim, ulysses, ring, itemsize
 
 
 class LayerKVCache:
-    """One layer's keys and values on this rank, [b, hk', capacity, d], filled to ``length``."""
+    """One layer's keys [b, hk', capacity, d] and values [.., d_v] on this rank, filled to ``length``,
+    and the global position of each cached token (a sliding window selects by it)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, positions: torch.Tensor):
         b, hk, s, d = keys.shape
         self.keys = keys.new_empty(b, hk, s + room, d)
-        self.values = values.new_empty(b, hk, s + room, d)
-        self.keys[:, :, :s], self.values[:, :, :s] = keys, values
+        self.values = values.new_empty(b, hk, s + room, values.shape[-1])
+        self.positions = torch.empty(s + room, dtype=torch.long, device=keys.device)
+        self.keys[:, :, :s], self.values[:, :, :s], self.positions[:s] = keys, values, positions
         self.length = s
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
         if self.length == self.keys.shape[2]:
             raise RuntimeError("KV cache full: more tokens than the generation asked room for")
         self.keys[:, :, self.length], self.values[:, :, self.length] = k, v
+        self.positions[self.length] = position
         self.length += 1
 
-    def view(self):
-        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+    def view(self, since: Optional[int] = None):
+        """Keys, values (of the tokens at positions >= ``since``, all without it)."""
+        keys, values = self.keys[:, :, :self.length], self.values[:, :, :self.length]
+        if since is None:
+            return keys, values
+        keep = (self.positions[:self.length] >= since).nonzero().squeeze(1)
+        return keys.index_select(2, keep), values.index_select(2, keep)
 
 
 class ShardedKVCache:
@@ -70,29 +81,34 @@ class ShardedKVCache:
 
     ``room``: decode tokens this rank may have to keep (appends beyond the prompt)."""
 
-    def __init__(self, num_layers: int, *, ulysses_group=None, ring_group=None, room: int, kernel: str = "auto"):
+    def __init__(self, num_layers: int, *, ulysses_group=None, ring_group=None, room: int, kernel: str = "auto",
+                 layout: str = "zigzag"):
         self.layers: List[Optional[LayerKVCache]] = [None] * num_layers
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
         self.ulysses_size = dist.get_world_size(ulysses_group) if dist.is_initialized() else 1
         self.ring_size = dist.get_world_size(ring_group) if dist.is_initialized() else 1
         self.ulysses_rank = dist.get_rank(ulysses_group) if dist.is_initialized() else 0
         self.ring_rank = dist.get_rank(ring_group) if dist.is_initialized() else 0
-        self.room, self.kernel = room, kernel
+        self.room, self.kernel, self.layout = room, kernel, layout
         self.decoding = False  # False: the model's attention runs a prefill and stores its k, v here
         self.decoded = 0  # tokens decoded so far: who appends the next one
+        self.position = 0  # the global position of the token being decoded (set by the generator)
 
     # ------------------------------------------------------------ prefill
     def store_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, num_heads: int) -> None:
         """Keep this rank's share of a prefill's k, v ([s_local, b, hk, d], after RoPE).
 
         The Ulysses all-to-all gives this rank its ring shard for its head slice, exactly what
-        the attention's own exchange gives it (`cp_ext.attention.ulysses.ulysses_exchange`)."""
+        the attention's own exchange gives it (`cp_ext.attention.dispatch`, `_Plan.to_heads`)."""
         rep = kv_replicas(num_heads, key.shape[2], self.ulysses_size)
         if rep > 1:
             key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
         to_cache = lambda x: seq_to_heads(x, self.ulysses_group).permute(1, 2, 0, 3)  # -> [b, hk', s_ring, d]
         room = -(-self.room // self.ring_size)  # round robin: at most ceil(room / R) appends on one ring rank
-        self.layers[layer] = LayerKVCache(to_cache(key).contiguous(), to_cache(value).contiguous(), room)
+        ring_shard = key.shape[0] * self.ulysses_size
+        positions = context_parallel_positions(ring_shard * self.ring_size, ring_rank=self.ring_rank,
+                                               ring_size=self.ring_size, layout=self.layout, device=key.device)
+        self.layers[layer] = LayerKVCache(to_cache(key).contiguous(), to_cache(value).contiguous(), room, positions)
 
     def start_empty(self, config, device, batch: int = 1) -> None:
         """Empty caches, for a prompt too short for any CP prefill (every token is decoded)."""
@@ -101,7 +117,8 @@ class ShardedKVCache:
         kv_here = kv_heads * kv_replicas(heads, kv_heads, self.ulysses_size) // self.ulysses_size
         empty = torch.empty(batch, kv_here, 0, config.kv_channels, dtype=config.params_dtype, device=device)
         room = -(-self.room // self.ring_size)
-        self.layers = [LayerKVCache(empty, empty, room) for _ in self.layers]
+        none = torch.empty(0, dtype=torch.long, device=device)
+        self.layers = [LayerKVCache(empty, empty, room, none) for _ in self.layers]
 
     # ------------------------------------------------------------ decode
     def _my_heads(self, x: torch.Tensor, rep: int = 1) -> torch.Tensor:
@@ -111,21 +128,33 @@ class ShardedKVCache:
         n = x.shape[2] // self.ulysses_size
         return x[:, :, self.ulysses_rank * n:(self.ulysses_rank + 1) * n].permute(1, 2, 0, 3)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d]; under sequence
-        parallelism [TP, ...] identical copies) over the whole sequence so far; returns q's shape,
-        the same on every rank of the CP group."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+               window_size=None, softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d_v]; under sequence
+        parallelism [TP, ...] identical copies) over the whole sequence so far; returns [1, b, h, d_v],
+        the same on every rank of the CP group. ``window_size`` (left, right): only the cached tokens
+        at positions >= position - left are seen (each rank selects its own); ``softmax_offset`` [h]:
+        the sink, added once the ring's partial results are merged, as in training."""
         copies = q.shape[0]  # > 1 only under sequence parallelism: identical copies of the one token
         q, k, v = q[:1], k[:1], v[:1]
         cache = self.layers[layer]
         rep = kv_replicas(q.shape[2], k.shape[2], self.ulysses_size)
         if self.decoded % self.ring_size == self.ring_rank:
-            cache.append(self._my_heads(k, rep)[:, :, 0], self._my_heads(v, rep)[:, :, 0])
+            cache.append(self._my_heads(k, rep)[:, :, 0], self._my_heads(v, rep)[:, :, 0], self.position)
         q_mine = self._my_heads(q)
-        keys, values = cache.view()
-        kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q.shape[-1])
-        out, lse = kernel.forward(q_mine, keys, values, causal=False, scale=softmax_scale)
-        out = self._merge_over_ring(out.to(accum_dtype(q.dtype)), lse.to(accum_dtype(q.dtype)))
+        left = None if window_size is None or window_size[0] < 0 else window_size[0]
+        keys, values = cache.view(None if left is None else self.position - left)
+        acc = accum_dtype(q.dtype)
+        if keys.shape[2]:
+            kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q.shape[-1], v_head_dim=values.shape[-1])
+            out, lse = kernel.forward(q_mine, keys, values, causal=False, scale=softmax_scale)
+        else:  # the window holds none of this rank's tokens
+            out = q_mine.new_zeros(q_mine.shape[:3] + values.shape[-1:])
+            lse = torch.full(q_mine.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        out, lse = self._merge_over_ring(out.to(acc), lse.to(acc))
+        if softmax_offset is not None:
+            n = q.shape[2] // self.ulysses_size
+            out, _ = add_sink(out, lse, softmax_offset[self.ulysses_rank * n:(self.ulysses_rank + 1) * n])
         return self._gather_heads(out.to(q.dtype)).expand(copies, -1, -1, -1)
 
     def finish_token(self) -> None:
@@ -134,7 +163,7 @@ class ShardedKVCache:
 
     def _merge_over_ring(self, out, lse):
         if self.ring_size == 1:
-            return out
+            return out, lse
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # one message: [b, h', 1, d+1]
         parts = [torch.empty_like(packed) for _ in range(self.ring_size)]
         if COMM_COUNTER.enabled:
@@ -144,7 +173,7 @@ class ShardedKVCache:
         merged_out, merged_lse = parts[0][..., :-1].clone(), parts[0][..., -1].clone()
         for part in parts[1:]:
             update_out_and_lse(merged_out, merged_lse, part[..., :-1], part[..., -1])
-        return merged_out
+        return merged_out, merged_lse
 
     def _gather_heads(self, out):
         """[b, h/U, 1, d] head slices of the Ulysses group -> [1, b, h, d]."""
@@ -158,4 +187,5 @@ class ShardedKVCache:
 
     def bytes_held(self) -> int:
         """The cache bytes this rank holds (keys and values, filled part)."""
-        return sum(2 * c.length * c.keys[:, :, :1].nelement() * c.keys.element_size() for c in self.layers if c)
+        return sum(c.length * (c.keys[:, :, :1].nelement() + c.values[:, :, :1].nelement()) * c.keys.element_size()
+                   for c in self.layers if c)

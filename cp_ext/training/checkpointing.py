@@ -71,7 +71,7 @@ MODEL_FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
     "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
     "kv_channels": "--kv-channels", "num_experts": "--num-experts", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "normalization": "--normalization", "swiglu": "--swiglu",
+    "normalization": "--normalization", "swiglu": "--swiglu", "softmax_type": "--softmax-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
 }

@@ -43,7 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from cp_ext.transformer.recompute import KeptAttention
 
@@ -103,6 +103,15 @@ class CoreAttention(MegatronModule):
         # and attends to at decode; None while training.
         self.kv_cache = None
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: Optional[dict] = None):
+        """megatron's map for the learnable sink: ``softmax_offset`` sharded over heads (TP axis 0),
+        as `DotProductAttention` gives it (checkpoints, layout-invariant init and gradient checks)."""
+        state_dict = self.state_dict(prefix="", keep_vars=True) if isinstance(self.softmax_offset, torch.nn.Parameter) else {}
+        return make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(with_context_parallel=True))
+
     def forward(
         self,
         query: torch.Tensor,
@@ -128,13 +137,11 @@ class CoreAttention(MegatronModule):
         if self.kv_cache is not None:
             if document_ids is not None:
                 raise NotImplementedError("generation attends over one document; call the model without document ids")
-            if window is not None or offset is not None:
-                raise NotImplementedError("generation with a sliding window or attention sinks is not implemented yet "
-                                          "(--window-size / --softmax-type); generate with a model without them")
             layer = self.layer_number - 1
             if self.kv_cache.decoding:  # one new token against the CP-sharded cache
                 scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
-                return self.kv_cache.attend(layer, query, key, value, scale).reshape(seq, batch, heads * head_dim)
+                return self.kv_cache.attend(layer, query, key, value, scale, window_size=window,
+                                            softmax_offset=offset).reshape(seq, batch, out_dim)
             self.kv_cache.store_prefill(layer, key, value, num_heads=heads)  # then attend as in training
         if getattr(self.config, "cp_aware_recompute", False) and self.training:
             from cp_ext import parallel_state as cp_state

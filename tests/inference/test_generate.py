@@ -4,7 +4,8 @@ One 4-rank launch builds the same small GQA MoE model (fp32, random weights from
 CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model, one KV head for
 Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2; PP2 x CP2; TP2+SP x CP2; TP2+SP x PP2), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
-8192 tokens. Checked:
+8192 tokens; and a model with GPT-OSS's attention (a window of 96 on layer 1 of 2, a learnable
+sink) at CP1, CP2 ring and CP4 hybrid. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
   * CP1's decode logits equal one full forward over prompt + generated tokens (the cache path
     itself is right, not only consistent);
@@ -20,6 +21,7 @@ from tests.launch import launch, selected, worker_args, write_results
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--seq-length", "64",
          "--seed", "7", "--train-iters", "1"]
+WINDOW = ["--window-size", "96,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable"]
 LAYOUTS = {
     "cp1": [],
     "cp2_ring": ["--context-parallel-size", "2"],
@@ -32,9 +34,14 @@ LAYOUTS = {
     # one KV head for 4 query heads: fewer KV heads than Ulysses ranks, replicated in the cache
     "mqa_cp1": ["--num-query-groups", "1"],
     "mqa_cp4_hybrid": ["--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
+    # GPT-OSS's attention: a sliding window on every other layer (layer 1 of 2) and a learnable sink
+    "win_cp1": WINDOW,
+    "win_cp2_ring": WINDOW + ["--context-parallel-size", "2"],
+    "win_cp4_hybrid": WINDOW + ["--context-parallel-size", "4", "--ulysses-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
-             "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1"}
+             "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
+             "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -62,7 +69,7 @@ def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
     assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5

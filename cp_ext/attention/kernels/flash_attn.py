@@ -174,7 +174,7 @@ def flash_attn_padded_lse(lse, cu_seqlens, max_seqlen):
 class FlashAttnKernel(AttnKernel):
     """The flash-attn package (``flash_attn.flash_attn_interface``), layout [b, s, h, d].
 
-    Packed documents: `forward_segments` / `backward_segments` make *one* varlen call per tile
+    Packed documents: `forward_blocks` / `backward_blocks` make *one* varlen call per tile
     (``_flash_attn_varlen_forward`` / ``_backward``): the segments' rows packed into
     ``[total, h, d]`` with cu_seqlens, one sequence per segment (causal segments are squares, so
     flash-attn's bottom-right causal alignment is the diagonal mask), then scattered back.

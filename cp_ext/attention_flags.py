@@ -1,0 +1,94 @@
+"""Megatron-LM's attention-variant flags: --window-size, --window-attn-skip-freq, --softmax-type.
+
+Spelled and parsed as Megatron-LM's ``arguments.py`` does (``tuple_type`` for the window,
+``moe_freq_type`` for the skip frequency), carried into `TransformerConfig` under megatron's
+field names, and applied by `cp_ext.transformer.attention.CoreAttention` on every CP path:
+
+* ``--window-size L,R``: query i sees key j iff ``i - L <= j <= i + R`` (-1: unbounded); the
+  GPT model is causal, so R must be 0 (or -1).
+* ``--window-attn-skip-freq N`` or ``"[1,1,0]*2"``: which layers keep full attention
+  (megatron's ``is_layer_window_attention``: with N every N-th layer; a list names each layer,
+  1 = windowed). Without it every layer is windowed.
+* ``--softmax-type vanilla|off-by-one|learnable``: attention sinks (megatron's
+  ``softmax_offset``, one logit per head). Every kernel takes them: cp_ext adds the sink in the
+  finish step after the LSE merge, not inside the kernel.
+"""
+
+import argparse
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def window_type(text):
+    """Megatron's ``tuple_type``: "128,0" or "(128,0)" -> (128, 0)."""
+    try:
+        values = tuple(int(x) for x in str(text).strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers L,R such as 128,0, got {text!r}") from None
+    if len(values) != 2 or min(values) < -1:
+        raise argparse.ArgumentTypeError(f"expected L,R with integers >= -1 (-1: unbounded), such as 128,0; "
+                                         f"got {text!r}")
+    return values
+
+
+def layer_freq_type(text):
+    """Megatron's ``moe_freq_type``: an int N, or a Python list expression such as "[1,1,0]*2"."""
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer or a list expression such as [1,1,0]*2, "
+                                             f"got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        return value
+    if any(c not in "0123456789[],*+ ()" for c in text):
+        raise argparse.ArgumentTypeError(f"expected a list expression of 0/1 such as [1,1,0]*2, got {text!r}")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and +: a list expression only
+    except Exception:
+        raise argparse.ArgumentTypeError(f"cannot evaluate {text!r} as a list expression such as [1,1,0]*2") from None
+    if not isinstance(value, list) or any(x not in (0, 1) for x in value):
+        raise argparse.ArgumentTypeError(f"expected a list of 0 and 1 (1: windowed layer), got {value!r}")
+    return value
+
+
+def add_attention_args(g):
+    g.add_argument("--window-size", type=window_type, default=None,
+                   help="sliding-window attention L,R (Megatron-LM's): query i sees keys i-L .. i+R, -1 unbounded; "
+                        "the model is causal, so R is 0; exact on every CP type (the ring sends a block only as far "
+                        "as the window reaches); kernels: cpu, efficient, unfused (auto picks one)")
+    g.add_argument("--window-attn-skip-freq", type=layer_freq_type, default=None,
+                   help="which layers keep full attention under --window-size: N (every N-th layer) or a list "
+                        "expression of 0/1 per layer such as [1,1,1,0]*3 (1: windowed); default: every layer windowed")
+    g.add_argument("--softmax-type", choices=SOFTMAX_TYPES, default="vanilla",
+                   help="attention sinks (Megatron-LM's): off-by-one adds a fixed 0 logit per head, learnable a "
+                        "learned one (megatron's softmax_offset); every kernel takes them (added after the LSE merge)")
+
+
+def attention_flag_problems(args):
+    """Configuration errors of the window flags, naming the flag and the fix."""
+    p = []
+    if args.window_size is not None and args.window_size[1] not in (0, -1):
+        left, right = args.window_size
+        p.append(f"--window-size {left},{right} looks {right} tokens ahead, but the GPT model is causal; "
+                 f"use --window-size {left},0")
+    freq = args.window_attn_skip_freq
+    if freq is not None and args.window_size is None:
+        p.append("--window-attn-skip-freq is only read with --window-size; add --window-size L,0 or drop it")
+    if isinstance(freq, list) and len(freq) != args.num_layers:
+        p.append(f"--window-attn-skip-freq lists {len(freq)} layers but --num-layers is {args.num_layers}; "
+                 f"give one 0/1 per layer")
+    kernel = getattr(args, "attention_kernel", None)
+    if args.window_size is None or kernel in (None, "auto"):
+        return p
+    from cp_ext.attention.kernels import KERNELS  # torch: only when a kernel is named
+
+    if args.window_size is not None and tuple(args.window_size) != (-1, 0) and kernel in KERNELS \
+            and not KERNELS[kernel].limits.masks:
+        able = ", ".join(sorted(n for n, k in KERNELS.items() if k.limits.masks))
+        p.append(f"--window-size needs a kernel that applies a window, and --attention-backend "
+                 f"{args.attention_backend} ({kernel}) cannot; use --attention-backend auto (picks one) or one of "
+                 f"{able}")
+    return p
