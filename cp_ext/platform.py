@@ -69,9 +69,11 @@ def _is_cuda_device(device):
 class _CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA device requests to CPU inside any torch call.
 
-    Only three things are rewritten: a ``device=`` keyword naming cuda, ``Tensor.cuda()``
-    and ``Tensor.to("cuda")``, and the no-argument ``Tensor.type()`` (which megatron uses
-    as a dtype check spelled with CUDA type names).
+    Only four things are rewritten: a ``device=`` keyword naming cuda, ``Tensor.cuda()``
+    and ``Tensor.to("cuda")``, the no-argument ``Tensor.type()`` (which megatron uses
+    as a dtype check spelled with CUDA type names), and ``pin_memory=True``, which needs an
+    accelerator and only speeds up host-to-device copies (megatron's RoPE CP slicing,
+    ``get_pos_emb_on_this_cp_rank``, pins its two chunk indices).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -86,6 +88,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             args = (args[0], torch.device("cpu"), *args[2:])
         if _is_cuda_device(kwargs.get("device")):
             kwargs = dict(kwargs, device=torch.device("cpu"))
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
 
 

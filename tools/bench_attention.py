@@ -35,6 +35,10 @@ tile that shares no document is skipped), time (ratio = with documents / without
 the per-repetition ratios), and bytes sent (the ring stops once no rank has work left, so
 documents that fit the zigzag chunks send nothing; all_gather's bytes do not change).
 
+``--window W`` and ``--sink`` pair the same way: ring and all_gather with ``window_size=(W, 0)``
+(tiles outside the window compute nothing, a block travels only as far as its last reader) or
+with a ``softmax_offset`` per head, against their own runs without.
+
 Reported: median ms, the ideal's median, their ratio (median of the per-repetition ratios),
 and the bytes each rank sent per collective, counted at the call sites
 (`cp_ext.perf.counter`) next to the formula (`cp_ext.perf.comm`) for forward and backward.
@@ -130,6 +134,11 @@ def main(argv=None):
                         "ring,all_gather with --documents)")
     p.add_argument("--documents", type=int, default=None,
                    help="N equal documents per sample: ring and all_gather also run with these document_ids")
+    p.add_argument("--window", type=int, default=None,
+                   help="a causal sliding window of this many tokens back (window_size=(W, 0)): ring and all_gather "
+                        "also run with it")
+    p.add_argument("--sink", action="store_true",
+                   help="ring and all_gather also run with an attention sink per head (softmax_offset)")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
@@ -159,7 +168,8 @@ def main(argv=None):
     u_h = args.ulysses_size or (2 if C >= 4 and C % 2 == 0 else 1)
     if args.documents is not None and not (0 < args.documents <= s and s % args.documents == 0):
         raise SystemExit(f"--documents {args.documents} must divide --seq-length {s} (equal documents)")
-    default = "ring,all_gather" if args.documents else "ideal,ring,compute,ulysses,hybrid"
+    paired = args.documents or args.window or args.sink
+    default = "ring,all_gather" if paired else "ideal,ring,compute,ulysses,hybrid"
     variants = [v for v in (args.variants or default).split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -181,13 +191,18 @@ def main(argv=None):
         hk_i = h_i
     q_i, k_i, v_i, do_i = mk(b, h_i, s, d), mk(b, hk_i, s, d), mk(b, hk_i, s, d), mk(b, h_i, s, d)
 
-    # N equal documents over the whole sample, sharded like q (ring layout over all C ranks)
-    doc_ids = None
-    doc_variants = [n for n in variants if n in ("ring", "all_gather")] if args.documents else []
+    # the paired runs (a variant with the option right after its run without): N equal documents over
+    # the whole sample, sharded like q (ring layout over all C ranks); a window; a sink
+    options = {}
     if args.documents:
         full_ids = (torch.arange(s) // (s // args.documents)).expand(b, s)
         positions = context_parallel_positions(s, ring_rank=me, ring_size=C, layout=args.layout)
-        doc_ids = full_ids[:, positions].contiguous().to(device)
+        options["docs"] = {"document_ids": full_ids[:, positions].contiguous().to(device)}
+    if args.window:
+        options["window"] = {"window_size": (args.window, 0)}
+    if args.sink:
+        options["sink"] = {"softmax_offset": torch.randn(h, generator=gen).to(device=device, dtype=torch.float32)}
+    doc_variants = [n for n in variants if n in ("ring", "all_gather")] if options else []
 
     def leaf(x):
         return x.detach().clone().requires_grad_()
@@ -196,30 +211,32 @@ def main(argv=None):
         out, lse = kernel.forward(q_i, k_i, v_i, causal=causal, scale=scale)
         kernel.backward(do_i, q_i, k_i, v_i, out, lse, causal=causal, scale=scale)
 
-    def cp_call(name, docs=None):
+    def cp_call(name, option=None):
+        kw = options.get(option, {})
         if name == "ring" or name == "compute":
             return lambda q, k, v: ring_attention(q, k, v, causal=causal, softmax_scale=scale, group=world,
-                                                  layout=args.layout, document_ids=docs)
+                                                  layout=args.layout, **kw)
         if name == "all_gather":
             return lambda q, k, v: all_gather_attention(q, k, v, causal=causal, softmax_scale=scale, group=world,
-                                                        layout=args.layout, document_ids=docs)
+                                                        layout=args.layout, **kw)
         if name == "ulysses":
             return lambda q, k, v: ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, group=world)
         return lambda q, k, v: hybrid_attention(q, k, v, causal=causal, softmax_scale=scale, ulysses_group=ulysses_group,
                                                 ring_group=ring_group, layout=args.layout)
 
-    def run_cp(name, docs=None):
+    def run_cp(name, option=None):
         q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
         ctx = no_comm() if name == "compute" else contextlib.nullcontext()
         with ctx:
-            out = cp_call(name, docs)(q, k, v)
+            out = cp_call(name, option)(q, k, v)
             out.backward(do_l)
 
     runners = {}
-    for n in variants:  # a variant's run with documents right after its run without
+    for n in variants:  # a variant's runs with each option right after its run without
         runners[n] = run_ideal if n == "ideal" else (lambda n=n: run_cp(n))
         if n in doc_variants:
-            runners[n + DOCS] = lambda n=n: run_cp(n, doc_ids)
+            for option in options:
+                runners[f"{n}+{option}"] = lambda n=n, o=option: run_cp(n, o)
 
     def timed(fn):
         dist.barrier()
@@ -241,18 +258,18 @@ def main(argv=None):
     dist.all_gather_object(gathered, times)
     slowest = {n: [max(g[n][i] for g in gathered) for i in range(args.reps)] for n in runners}
 
-    def counted_call(name, docs=None):
+    def counted_call(name, option=None):
         """Bytes per collective (forward, backward) and the forward's work, counted at the call sites."""
         q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
         with count_comm() as c, count_work() as w:
-            out = cp_call(name, docs)(q, k, v)
+            out = cp_call(name, option)(q, k, v)
         fwd, work = dict(c.bytes), {"tiles": w.calls["tiles"], "pairs": w.bytes["pairs"]}
         with count_comm() as c:
             out.backward(do_l)
         return fwd, dict(c.bytes), work
 
     # bytes per collective, counted at the call sites, forward and backward separately
-    counted, documents = {}, {}
+    counted, paired_counts = {}, {option: {} for option in options}
     for n in variants:
         if n in ("ideal", "compute"):
             continue
@@ -263,21 +280,22 @@ def main(argv=None):
         used = [coll for coll in formula if any((*formula[coll].values(), fwd.get(coll), bwd.get(coll)))]
         counted[n] = {coll: {"fwd": fwd.get(coll, 0), "bwd": bwd.get(coll, 0),
                              "formula_fwd": formula[coll]["fwd"], "formula_bwd": formula[coll]["bwd"]} for coll in used}
-        if n in doc_variants:
-            dfwd, dbwd, dwork = counted_call(n, doc_ids)
+        for option in options if n in doc_variants else ():
+            dfwd, dbwd, dwork = counted_call(n, option)
             colls = sorted(set(fwd) | set(bwd) | set(dfwd) | set(dbwd))
             by_coll = lambda f, b_: {c: {"fwd": f.get(c, 0), "bwd": b_.get(c, 0)} for c in colls}  # noqa: E731
-            documents[n] = {"none": {"work": work, "bytes": by_coll(fwd, bwd)},
-                            "docs": {"work": dwork, "bytes": by_coll(dfwd, dbwd)}}
+            paired_counts[option][n] = {"none": {"work": work, "bytes": by_coll(fwd, bwd)},
+                                        option: {"work": dwork, "bytes": by_coll(dfwd, dbwd)}}
     all_counts = [None] * C
     dist.all_gather_object(all_counts, counted)
-    all_documents = [None] * C
-    dist.all_gather_object(all_documents, documents)
+    all_paired = [None] * C
+    dist.all_gather_object(all_paired, paired_counts)
 
     if me == 0:
         res = report(args, C, u_h, variants, slowest, all_counts, device, ideal_split)
-        if doc_variants:
-            res["documents"] = report_documents(args, doc_variants, slowest, all_documents)
+        for option in options:
+            key = {"docs": "documents"}.get(option, option)
+            res[key] = report_paired(args, option, doc_variants, slowest, [r[option] for r in all_paired])
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -285,39 +303,48 @@ def main(argv=None):
 
 
 VARIANTS = ("ideal", "ring", "compute", "ulysses", "hybrid", "all_gather")
-DOCS = "+docs"  # the timing key of a variant's run with document_ids
 
 
 def _med(xs):
     return statistics.median(xs)
 
 
-def report_documents(args, doc_variants, slowest, all_documents):
-    """With document_ids vs without, per variant: tiles and pairs per rank, time, bytes per rank."""
-    s, n_docs = args.seq_length, args.documents
-    print(f"documents: {n_docs} equal documents per sample ({s // n_docs} tokens each), ids sharded like the tokens "
-          f"({args.layout}); with document_ids / without, same run:")
-    out = {"n": n_docs, "tokens_per_document": s // n_docs, "variants": {}}
+def report_paired(args, option, doc_variants, slowest, all_counts):
+    """With the option (documents, a window, a sink) vs without, per variant: tiles and pairs per rank,
+    time, bytes per rank."""
+    s = args.seq_length
+    if option == "docs":
+        n_docs = args.documents
+        print(f"documents: {n_docs} equal documents per sample ({s // n_docs} tokens each), ids sharded like the "
+              f"tokens ({args.layout}); with document_ids / without, same run:")
+        out = {"n": n_docs, "tokens_per_document": s // n_docs, "variants": {}}
+    elif option == "window":
+        print(f"window: window_size=({args.window}, 0) on s={s} ({args.window / s:.4f} of it); with / without, same run:")
+        out = {"window": args.window, "variants": {}}
+    else:
+        print("sink: softmax_offset [h]; with / without, same run:")
+        out = {"variants": {}}
     for n in doc_variants:
-        per_rank = [r[n] for r in all_documents]
-        tiles = {k: [r[k]["work"]["tiles"] for r in per_rank] for k in ("docs", "none")}
-        pairs = {k: [r[k]["work"]["pairs"] for r in per_rank] for k in ("docs", "none")}
-        pair_ratio = sum(pairs["docs"]) / sum(pairs["none"]) if sum(pairs["none"]) else float("nan")
-        per_rep = [a / b for a, b in zip(slowest[n + DOCS], slowest[n])]
-        ms = {"docs": _med(slowest[n + DOCS]) * 1e3, "none": _med(slowest[n]) * 1e3}
-        print(f"  {n:10s} tiles/rank (fwd) {tiles['docs']} / {tiles['none']}; query-key pairs/rank {pairs['docs']} / "
+        per_rank = [r[n] for r in all_counts]
+        keys = (option, "none")
+        tiles = {k: [r[k]["work"]["tiles"] for r in per_rank] for k in keys}
+        pairs = {k: [r[k]["work"]["pairs"] for r in per_rank] for k in keys}
+        pair_ratio = sum(pairs[option]) / sum(pairs["none"]) if sum(pairs["none"]) else float("nan")
+        per_rep = [a / b for a, b in zip(slowest[f"{n}+{option}"], slowest[n])]
+        ms = {option: _med(slowest[f"{n}+{option}"]) * 1e3, "none": _med(slowest[n]) * 1e3}
+        print(f"  {n:10s} tiles/rank (fwd) {tiles[option]} / {tiles['none']}; query-key pairs/rank {pairs[option]} / "
               f"{pairs['none']} = {pair_ratio:.4f}")
-        print(f"  {'':10s} time {ms['docs']:.1f} / {ms['none']:.1f} ms = {_med(per_rep):.3f} (median of {len(per_rep)} "
+        print(f"  {'':10s} time {ms[option]:.1f} / {ms['none']:.1f} ms = {_med(per_rep):.3f} (median of {len(per_rep)} "
               f"paired reps; per rep: {' '.join(f'{x:.3f}' for x in per_rep)})")
         colls = per_rank[0]["none"]["bytes"]
         for coll in colls:
-            d, w = per_rank[0]["docs"]["bytes"][coll], per_rank[0]["none"]["bytes"][coll]
-            same = all(r[k]["bytes"][coll] == per_rank[0][k]["bytes"][coll] for r in per_rank for k in ("docs", "none"))
+            d, w = per_rank[0][option]["bytes"][coll], per_rank[0]["none"]["bytes"][coll]
+            same = all(r[k]["bytes"][coll] == per_rank[0][k]["bytes"][coll] for r in per_rank for k in keys)
             print(f"  {'':10s} {coll} bytes/rank fwd {d['fwd']} / {w['fwd']}, bwd {d['bwd']} / {w['bwd']}"
                   f"{'' if same else ' (rank 0; ranks differ)'}")
         out["variants"][n] = {"tiles": tiles, "pairs": pairs, "pair_ratio": pair_ratio, "median_ms": ms,
                               "time_ratio": _med(per_rep), "time_ratios": per_rep,
-                              "bytes": {k: [r[k]["bytes"] for r in per_rank] for k in ("docs", "none")}}
+                              "bytes": {k: [r[k]["bytes"] for r in per_rank] for k in keys}}
     return out
 
 

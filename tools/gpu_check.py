@@ -24,7 +24,9 @@ written with the environment to ``DIR/summary.json`` (default gpu_check_out/).
    each), and the simulated ring with ``document_ids`` (causal / full, GQA 8/2), against
    float64 truth by one SDPA per document (`document_attention`); rows without keys must give
    out 0 and LSE -inf. Same bounds, "ref" = the same per-document SDPA in the dtype.
-   Then ``pytest tests/attention/test_cuda_kernels.py`` (one GPU).
+   Windows, sinks and MLA's 192/128 head dims through every kernel (`tools/gpu_check_masks.py`:
+   ``local_attention`` against float64 explicit attention; kernels without masks must refuse a
+   window). Then ``pytest tests/attention/test_cuda_kernels.py`` (one GPU).
 3. Two or more GPUs (torchrun, NCCL, one rank per GPU): ring (C = all GPUs), Ulysses
    (U = all, when the 8 heads split) and the hybrid (U2 x R(n/2), n >= 4 even) on ~4096
    tokens, bf16 and fp32, against float64 truth (`tests.attention.reference.measure` on the
@@ -686,6 +688,13 @@ def main(argv=None):
     for s in skipped:
         print(f"  not run here: {s['kernel']} {'/'.join(s['dtypes'])}: {s['reason']}")
     rows += document_rows(device, time.monotonic() + left(60))
+    sys.path.insert(0, str(ROOT / "tools"))
+    from gpu_check_masks import mask_rows  # part 2b: windows, sinks, MLA head dims
+
+    mrows, mskipped = mask_rows(device, time.monotonic() + left(60), DTYPES, judge, row)
+    rows += mrows
+    for s in mskipped:
+        print(f"  masks, not run here: {s['kernel']} {'/'.join(s['dtypes'])}: {s['reason']}")
     n = env["gpu_count"]
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -109,8 +109,11 @@ class Block:
         return replace(self, q0=self.q0 - dq, q1=self.q1 - dq, k0=self.k0 - dk, k1=self.k1 - dk)
 
     def pairs(self) -> int:
+        """Query-key pairs the kernel computes: the rectangle, or the triangle of the causal square
+        (kernels skip its upper half); any other band is applied as a dense mask (its visible pairs:
+        `Band.pairs`)."""
         nq, nk = self.q1 - self.q0, self.k1 - self.k0
-        return nq * nk if self.band is None else self.band.pairs(nq, nk)
+        return nq * (nq + 1) // 2 if self.band is not None and self.band.is_causal(nq, nk) else nq * nk
 
 
 def position_runs(positions: Sequence[int]) -> List[Run]:

@@ -106,8 +106,11 @@ class ShardedKVCache:
         to_cache = lambda x: seq_to_heads(x, self.ulysses_group).permute(1, 2, 0, 3)  # -> [b, hk', s_ring, d]
         room = -(-self.room // self.ring_size)  # round robin: at most ceil(room / R) appends on one ring rank
         ring_shard = key.shape[0] * self.ulysses_size
-        positions = context_parallel_positions(ring_shard * self.ring_size, ring_rank=self.ring_rank,
-                                               ring_size=self.ring_size, layout=self.layout, device=key.device)
+        if self.ring_size == 1:  # the whole prompt, in order (any length: CP = 1 prefills odd lengths too)
+            positions = torch.arange(ring_shard, device=key.device)
+        else:
+            positions = context_parallel_positions(ring_shard * self.ring_size, ring_rank=self.ring_rank,
+                                                   ring_size=self.ring_size, layout=self.layout, device=key.device)
         self.layers[layer] = LayerKVCache(to_cache(key).contiguous(), to_cache(value).contiguous(), room, positions)
 
     def start_empty(self, config, device, batch: int = 1) -> None:

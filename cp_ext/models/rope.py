@@ -61,3 +61,33 @@ def use_batch_position_ids(model: torch.nn.Module) -> None:
 
     model.register_forward_pre_hook(hand_over, with_kwargs=True)
     model.register_forward_hook(drop, with_kwargs=True, always_call=True)
+
+
+class RotaryAtContextParallelPositions(torch.nn.Module):
+    """Any megatron rotary module (``RotaryEmbedding``, ``YarnRotaryEmbedding``) at this rank's positions.
+
+    Modules that build their own RoPE (megatron's ``MLASelfAttention`` makes one for its 64-dim
+    RoPE head, rope or YaRN) slice it with megatron's fixed CP layout. Wrapped, the module returns
+    the rows of its full table (megatron does not slice for ``packed_seq``) at the global positions
+    `cp_ext.parallel_state.get_context_parallel_positions` gives this rank, with whatever else it
+    returns (YaRN's mscale) unchanged.
+    """
+
+    def __init__(self, inner: torch.nn.Module, layout: str = "zigzag"):
+        super().__init__()
+        self.inner, self.layout = inner, layout
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if packed_seq:
+            raise NotImplementedError("cp_ext does not support packed (thd) sequences")
+        out = self.inner(max_seq_len, offset, packed_seq=True)  # the whole table, unsliced
+        emb, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        positions = cp_state.get_context_parallel_positions(max_seq_len, self.layout, device=emb.device)
+        emb = emb.index_select(0, positions)
+        return emb if rest is None else (emb, *rest)
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def get_cached_cos_sin(self, *args, **kwargs):
+        raise NotImplementedError("RoPE fusion (--apply-rope-fusion) is not supported with cp_ext's CP layouts")

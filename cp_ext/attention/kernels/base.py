@@ -95,6 +95,7 @@ class AttnKernel:
         check_shapes(q, k, v)
         causal, mask = self._mask(causal, band, q, k)
         hk, dqk, dv = k.shape[1], q.shape[-1], v.shape[-1]
+        dout, out = dout.to(q.dtype), out.to(q.dtype)  # a tile's merged fp32 out: the kernel takes q's dtype
         q, k, v = self._pad_heads(q, k, v)
         dout, out = self._pad_heads_like(dout, v.shape[-1]), self._pad_heads_like(out, v.shape[-1])
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # sees nothing: P = 0, not NaN
@@ -140,8 +141,10 @@ class AttnKernel:
 
     def forward_segments(self, q, k, v, segments, *, causal: bool, scale: float):
         """Packed documents (`cp_ext.attention.documents.Segment` s, disjoint rows): `forward_blocks`
-        with the causal band on each (square) segment when ``causal``."""
-        return self.forward_blocks(q, k, v, _segment_blocks(segments, causal), scale=scale)
+        with the causal band on each (square) segment when ``causal``; out in q's dtype (the segments'
+        rows are disjoint, so nothing was merged in fp32)."""
+        out, lse = self.forward_blocks(q, k, v, _segment_blocks(segments, causal), scale=scale)
+        return out.to(q.dtype), lse
 
     def backward_segments(self, dout, q, k, v, out, lse, segments, *, causal: bool, scale: float):
         return self.backward_blocks(dout, q, k, v, out, lse, _segment_blocks(segments, causal), scale=scale)
