@@ -19,8 +19,9 @@ so for one q run against one k run the mask is a *band* on the tile's local indi
   "key before query" is "local column <= local row";
 * unmasked neighbours coalesce into one rectangle, so without a window a tile is exactly one
   kernel call, as before windows existed (same work, same roundings);
-* a narrow band (a window much smaller than the k run) is cut into row strips, each against
-  only the columns its band reaches: work ~ rows x (strip + window), not rows x k run;
+* any other band (a window, or the corner of a neighbour's chunk a window reaches) is cut into
+  row strips (64 to 512 rows), each against only the columns its band reaches, when that
+  computes at most 3/4 of the rectangle: work ~ rows x (strip + window), not rows x k run;
 * documents cut every block into its segments (one document's rows against its rows).
 
 Blocks of a tile may share q rows (a q run against two k runs); kernels merge them by LSE
@@ -139,28 +140,32 @@ def _normalized(lo, hi, nq, nk) -> Tuple[bool, Optional[Band]]:
 
 
 def _band_block(q0, q1, k0, k1, lo, hi) -> List[Block]:
-    """One q run x k run rectangle under ``lo <= j - i <= hi``; a narrow band is cut into strips."""
+    """One q run x k run rectangle under ``lo <= j - i <= hi``; cut into row strips, each against only
+    the columns its band reaches, when that computes at most 3/4 of the rectangle."""
     nq, nk = q1 - q0, k1 - k0
     empty, band = _normalized(lo, hi, nq, nk)
     if empty:
         return []
-    if band is None or band.lo is None or band.hi is None:
+    if band is None or band.is_causal(nq, nk):  # every kernel's own case: one call
         return [Block(q0, q1, k0, k1, band)]
-    width = band.hi - band.lo + 1
-    strip = max(32, width // 4)
-    if strip + width > nk // 2:  # the band covers most of the rectangle anyway: one call
-        return [Block(q0, q1, k0, k1, band)]
-    blocks = []
+    width = None if band.lo is None or band.hi is None else band.hi - band.lo + 1
+    strip = max(64, min(512, width // 4 if width is not None else nq // 8))
+    strips = []
     for i0 in range(0, nq, strip):
         i1 = min(nq, i0 + strip)
-        c0, c1 = max(0, i0 + band.lo), min(nk, i1 - 1 + band.hi + 1)
+        c0 = 0 if band.lo is None else max(0, i0 + band.lo)
+        c1 = nk if band.hi is None else min(nk, i1 - 1 + band.hi + 1)
         if c0 >= c1:
             continue
-        # strip-local: j' - i' = (j + c0) - (i + i0) - ... -> the band shifts by i0 - c0
-        s_empty, s_band = _normalized(band.lo + i0 - c0, band.hi + i0 - c0, i1 - i0, c1 - c0)
+        # strip-local: j' - i' = (j - i) + i0 - c0, so the band shifts by i0 - c0
+        shift = i0 - c0
+        s_empty, s_band = _normalized(None if band.lo is None else band.lo + shift,
+                                      None if band.hi is None else band.hi + shift, i1 - i0, c1 - c0)
         if not s_empty:
-            blocks.append(Block(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band))
-    return blocks
+            strips.append(Block(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band))
+    if sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in strips) > 0.75 * nq * nk:
+        return [Block(q0, q1, k0, k1, band)]  # the band covers most of the rectangle anyway
+    return strips
 
 
 def _coalesce(blocks: List[Block]) -> List[Block]:

@@ -65,6 +65,11 @@ def _cases():
         _case("ring4", d=192, dv=128, window=(5, 0), s=16),
         _case("kept", window=(7, 0), sink=True),              # the recompute pair, U2 x R2
         _case("kept_ag", window=(7, 0), sink=True, docs=True),
+        # long enough for the row strips of a narrow band (cp_ext.attention.masks._band_block)
+        _case("ring2", window=(40, 0), sink=True, h=2, hk=1, d=16, s=1024),
+        _case("all_gather", window=(100, 0), h=2, d=16, s=1024),
+        _case("ulysses4", window=(30, 0), d=16, s=512),
+        _case("hybrid", causal=False, window=(20, 30), docs=True, d=16, s=512),
     ]
     return cases
 
