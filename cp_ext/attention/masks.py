@@ -21,7 +21,9 @@ so for one q run against one k run the mask is a *band* on the tile's local indi
   kernel call, as before windows existed (same work, same roundings);
 * any other band (a window, or the corner of a neighbour's chunk a window reaches) is cut into
   row strips (64 to 512 rows), each against only the columns its band reaches, when that
-  computes at most 3/4 of the rectangle: work ~ rows x (strip + window), not rows x k run;
+  computes at most 3/4 of the rectangle: work ~ rows x (strip + window), not rows x k run; and
+  a strip's columns that all its rows see run unmasked, between its two masked edges (for a
+  causal window the right edge is the causal square kernels run natively);
 * documents cut every block into its segments (one document's rows against its rows).
 
 Blocks of a tile may share q rows (a q run against two k runs); kernels merge them by LSE
@@ -162,10 +164,35 @@ def _band_block(q0, q1, k0, k1, lo, hi) -> List[Block]:
         s_empty, s_band = _normalized(None if band.lo is None else band.lo + shift,
                                       None if band.hi is None else band.hi + shift, i1 - i0, c1 - c0)
         if not s_empty:
-            strips.append(Block(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band))
+            strips += _split_strip(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band)
     if sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in strips) > 0.75 * nq * nk:
         return [Block(q0, q1, k0, k1, band)]  # the band covers most of the rectangle anyway
     return strips
+
+
+def _split_strip(q0, q1, k0, k1, band) -> List[Block]:
+    """A strip's columns that every row sees need no mask: [masked edge | full middle | masked edge]
+    (for a causal window the right edge is the causal square every kernel runs natively)."""
+    if band is None:
+        return [Block(q0, q1, k0, k1)]
+    nq, nk = q1 - q0, k1 - k0
+    full_lo = 0 if band.lo is None else max(0, nq - 1 + band.lo)  # the last row's first visible column
+    full_hi = nk - 1 if band.hi is None else min(nk - 1, band.hi)  # the first row's last visible column
+    if full_hi - full_lo + 1 < 64:  # not worth two more calls
+        return [Block(q0, q1, k0, k1, band)]
+    blocks = []
+    if full_lo > 0:
+        empty, left = _normalized(band.lo, band.hi, nq, full_lo)
+        if not empty:
+            blocks.append(Block(q0, q1, k0, k0 + full_lo, left))
+    blocks.append(Block(q0, q1, k0 + full_lo, k0 + full_hi + 1))
+    if full_hi < nk - 1:
+        shift = -(full_hi + 1)  # columns renumbered from the edge's first
+        empty, right = _normalized(None if band.lo is None else band.lo + shift,
+                                   None if band.hi is None else band.hi + shift, nq, nk - full_hi - 1)
+        if not empty:
+            blocks.append(Block(q0, q1, k0 + full_hi + 1, k1, right))
+    return blocks
 
 
 def _coalesce(blocks: List[Block]) -> List[Block]:
