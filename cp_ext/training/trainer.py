@@ -101,13 +101,23 @@ def attention_kernel_line(config, device):
     """The startup line saying which local attention kernel runs (what ``auto`` picked)."""
     from cp_ext.attention.kernels import choose_kernel, dtype_name
 
+    from megatron.core.transformer.utils import is_layer_window_attention
+
     kernel, head_dim = config.attention_kernel, config.kv_channels
+    window = getattr(config, "window_size", None)
     what = f"({dtype_name(config.params_dtype)}, head dim {head_dim}, {device.type})"
+    extras = ""
+    if window is not None:  # which layers megatron's rule windows, 1-based as megatron counts them
+        layers = [n for n in range(1, config.num_layers + 1)
+                  if is_layer_window_attention(window, config.window_attn_skip_freq, n)]
+        extras += f"; window {window[0]},{window[1]} on layers {layers}"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        extras += f"; attention sink {config.softmax_type} (added after the LSE merge, any kernel)"
     if kernel != "auto":
-        return f"attention: kernel {kernel} {what}"
-    choice = choose_kernel(device.type, config.params_dtype, head_dim)
-    line = f"attention: --attention-backend auto picks kernel {choice} {what}"
-    if config.context_parallel_size == 1:  # CoreAttention keeps F.scaled_dot_product_attention there
+        return f"attention: kernel {kernel} {what}{extras}"
+    choice = choose_kernel(device.type, config.params_dtype, head_dim, window=window is not None)
+    line = f"attention: --attention-backend auto picks kernel {choice} {what}{extras}"
+    if config.context_parallel_size == 1 and not extras:  # CoreAttention keeps F.sdpa there
         line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
     return line
 

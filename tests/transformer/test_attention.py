@@ -80,3 +80,9 @@ def test_startup_line_says_what_auto_picked():
     assert "picks kernel cpu" in line("auto", torch.float32, 1, "cpu") and "F.scaled_dot_product_attention" in line(
         "auto", torch.float32, 1, "cpu")
     assert line("cudnn", torch.bfloat16, 2, "cuda") == "attention: kernel cudnn (bf16, head dim 128, cuda)"
+    # a window moves auto off flash (no masks) and names the windowed layers; a sink is named too
+    config = SimpleNamespace(attention_kernel="auto", kv_channels=128, params_dtype=torch.bfloat16, context_parallel_size=2,
+                             window_size=(128, 0), window_attn_skip_freq=2, num_layers=4, softmax_type="learnable")
+    got = attention_kernel_line(config, torch.device("cuda"))
+    assert "picks kernel efficient (bf16" in got and "window 128,0 on layers [1, 3]" in got, got
+    assert "attention sink learnable" in got, got
