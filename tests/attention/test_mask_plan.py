@@ -7,6 +7,7 @@ pair is covered twice, and narrow bands are cut into strips that compute less th
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -97,3 +98,46 @@ def test_window_arguments_are_checked():
             make_window(bad, False)
     assert make_window(None, False) is None and make_window((-1, -1), False) is None
     assert make_window((-1, -1), True).right == 0  # causal bounds an unbounded right side
+
+
+@pytest.mark.quick
+def test_bad_attention_arguments_name_the_argument():
+    """One process, CP = 1 (`local_attention`): the argument and the limit are named, before any work."""
+    from cp_ext.attention import local_attention
+    from cp_ext.attention.kernels import supported
+
+    q, k = torch.randn(8, 1, 4, 16), torch.randn(8, 1, 2, 16)
+    cases = [
+        (dict(v=torch.randn(8, 1, 2, 8), softmax_offset=torch.zeros(3)), "softmax_offset must be a float [h] = [4]"),
+        (dict(v=torch.randn(8, 1, 2, 8), softmax_offset=torch.zeros(4, dtype=torch.long)), "softmax_offset must be"),
+        (dict(v=torch.randn(6, 1, 2, 8)), "v may have its own head dim"),
+        (dict(v=torch.randn(8, 1, 2, 8), window_size=(4, 2)), "looks 2 tokens ahead"),
+        (dict(v=torch.randn(8, 1, 2, 8), window_size=(4, 0), kernel="flash"), "CUDA tensors only"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            local_attention(q, k, causal=True, **kwargs)
+    # the limits, as data: a window on a kernel without masks, a padded v head dim over a kernel's limit
+    assert "cannot apply a sliding window (--window-size)" in supported("flash", torch.bfloat16, 64, "cuda", window=True)
+    assert supported("efficient", torch.bfloat16, 64, "cuda", window=True) is None
+    assert "q/k 192 and v 128 run padded to 192" not in (supported("flash", torch.bfloat16, 192, "cuda",
+                                                                   v_head_dim=128) or "")  # 192 <= 256: runs
+    assert "at most 128" in supported("cudnn", torch.bfloat16, 192, "cuda", v_head_dim=128)
+    assert supported("efficient", torch.float32, 192, "cuda", v_head_dim=128) is None  # its own v dim
+
+
+def test_v_head_dim_of_its_own_on_every_cpu_kernel():
+    """cpu pads v to q's head dim, unfused runs it natively: both equal explicit float64 attention."""
+    from cp_ext.attention import local_attention
+    from tests.attention.test_masks import explicit_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(24, 2, 4, 20, generator=g, dtype=torch.float64), torch.randn(24, 2, 2, 20, generator=g,
+                                                                                    dtype=torch.float64)
+    for dv in (12, 28):
+        v = torch.randn(24, 2, 2, dv, generator=g, dtype=torch.float64)
+        mask = torch.ones(24, 24, dtype=torch.bool).tril().expand(2, 24, 24)
+        want = explicit_attention(q, k, v, None, mask, 20 ** -0.5)
+        for kernel in ("cpu", "unfused"):
+            got = local_attention(q, k, v, causal=True, kernel=kernel)
+            assert got.shape == (24, 2, 4, dv) and (got - want).abs().max() < 1e-12, (kernel, dv)
