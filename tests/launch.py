@@ -267,6 +267,22 @@ def run_code(code, *args, check=True, timeout=300, env=None, unset=()):
     return run_script(0, path, *args, check=check, timeout=timeout, env=env, unset=unset)
 
 
+def one_rank_megatron(tmp_path, cp_ext_groups=False) -> str:
+    """The opening of a `run_code` script that builds megatron modules on one CPU rank: the platform
+    shims, a one-rank gloo group, megatron's parallel state (and cp_ext's CP groups) and its RNG streams."""
+    return f"""
+import torch, torch.distributed as dist
+from cp_ext.platform import setup_platform
+setup_platform("cpu")
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+parallel_state.initialize_model_parallel()
+{"from cp_ext import parallel_state as cp_state; cp_state.initialize_context_parallel(1)" if cp_ext_groups else ""}
+model_parallel_cuda_manual_seed(1)
+"""
+
+
 def fork_workers(script, nproc, args, timeout=600, env=None):
     """`cp_ext.perf.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
     on ``nproc`` ranks, each rank's ``DIR/rank{r}.json`` in rank order. For tests of what a tool

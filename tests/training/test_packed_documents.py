@@ -12,25 +12,15 @@ import textwrap
 
 import pytest
 
-from tests.launch import run_code
+from tests.launch import one_rank_megatron, run_code
 
 
 @pytest.mark.quick
 def test_packed_sample_equals_documents_as_samples(tmp_path):
-    code = textwrap.dedent(f"""
-        import torch, torch.distributed as dist
-        from cp_ext.platform import setup_platform
-        setup_platform("cpu")
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from cp_ext import parallel_state as cp_state
+    code = one_rank_megatron(tmp_path, cp_ext_groups=True) + textwrap.dedent(f"""
         from cp_ext.arguments import parse_args
         from cp_ext.config import transformer_config_from_args
         from cp_ext.models.gpt_moe import build_model
-        parallel_state.initialize_model_parallel()
-        cp_state.initialize_context_parallel(1)
-        model_parallel_cuda_manual_seed(1)
 
         lengths = [5, 1, 11, 7]
         s = sum(lengths)

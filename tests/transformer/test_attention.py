@@ -13,23 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.launch import run_code
+from tests.launch import one_rank_megatron, run_code
 
 
 def test_configured_kernel_runs_at_cp1(tmp_path):
-    code = textwrap.dedent(f"""
-        import torch, torch.distributed as dist
-        from cp_ext.platform import setup_platform
-        setup_platform("cpu")
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    code = one_rank_megatron(tmp_path) + textwrap.dedent(f"""
         from megatron.core.transformer.enums import AttnMaskType
         import cp_ext.attention.dispatch as ulysses
         from cp_ext.config import ContextParallelTransformerConfig
         from cp_ext.transformer.attention import CoreAttention
-        parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(1)
         used = []
         real_get_kernel = ulysses.get_kernel
         ulysses.get_kernel = lambda *a, **k: used.append(a[2]) or real_get_kernel(*a, **k)

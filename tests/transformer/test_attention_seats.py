@@ -11,18 +11,12 @@ import textwrap
 
 import pytest
 
-from tests.launch import run_code
+from tests.launch import one_rank_megatron, run_code
 
 
 @pytest.mark.quick
 def test_mla_sink_and_window_seats(tmp_path):
-    code = textwrap.dedent(f"""
-        import torch, torch.distributed as dist
-        from cp_ext.platform import setup_platform
-        setup_platform("cpu")
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    code = one_rank_megatron(tmp_path) + textwrap.dedent(f"""
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.transformer.transformer_config import MLATransformerConfig
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -30,8 +24,6 @@ def test_mla_sink_and_window_seats(tmp_path):
         from cp_ext.config import ContextParallelTransformerConfig
         from cp_ext.transformer.attention import CoreAttention
         from tests.attention.test_masks import explicit_attention
-        parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(1)
         g = torch.Generator().manual_seed(0)
         s, b, h = 24, 2, 4
         def mask(window):
