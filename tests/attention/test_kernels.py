@@ -293,7 +293,7 @@ def test_cuda_wrappers_match_op_schemas_on_meta(cls, causal):
 
 
 class _RecordingAten:
-    """Stands in for ``torch.ops.aten`` in kernels.py: records each op's arguments, then runs the
+    """Stands in for ``torch.ops.aten`` in kernels/sdpa_cuda.py: records each op's arguments, then runs the
     real op (on meta tensors: its schema and shape function, without a GPU)."""
 
     def __init__(self):

@@ -83,10 +83,24 @@ DOCUMENTS = {
 LAYOUTS.update({name: (n, flags + DOC_FLAGS) for name, (n, flags) in DOCUMENTS.items()})
 
 
+# GPT-OSS's attention: a sliding window (5 tokens: wider than a CP4 zigzag chunk of 4) on layers 1
+# and 3 of 4, and a learnable sink per head (a TP-sharded parameter at TP2), against CP=1 with the same flags.
+WINDOW_FLAGS = ["--window-size", "5,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable"]
+WINDOWS = {
+    "cp1_window": (1, []),
+    "cp2_ring_window": (2, ["--context-parallel-size", "2"]),
+    "cp2_all_gather_window": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    "cp4_ulysses2_ring2_window": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                      "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "tp2cp2dp2_ep2_window": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+                                 "2", "--expert-model-parallel-size", "2"]),
+}
+
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
 RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
 RUNS[UNMASKED_DOCS] = (1, [], "docs")
+RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDOWS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +150,23 @@ def test_layout_matches_single_process(layout, runs):
 @pytest.mark.parametrize("layout", [k for k in DOCUMENTS if k != "cp1_docs"])
 def test_packed_documents_match_single_process(layout, runs):
     _assert_same(runs(layout), runs("cp1_docs"))
+
+
+@pytest.mark.parametrize("layout", [k for k in WINDOWS if k != "cp1_window"])
+def test_window_and_sink_match_single_process(layout, runs):
+    _assert_same(runs(layout), runs("cp1_window"))
+
+
+def test_window_and_sink_change_training(runs):
+    """The window and the sink are not dropped: the same model without them trains differently (by more
+    than 100x the tolerance of the comparisons above), and the sink's parameter has a gradient."""
+    (_, plain), (_, windowed) = runs("tp1pp1dp1"), runs("cp1_window")
+    sinks = [u for u in windowed if "softmax_offset" in u]
+    assert len(sinks) == 4 and all(windowed[u].abs().max() > 0 for u in sinks), sinks  # one per layer
+    largest = max(g.abs().max().item() for g in windowed.values())
+    moved = max((plain[u] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest)
+                for u, g in windowed.items() if u in plain)
+    assert moved > 100 * 1e-5, f"the window and sink moved no gradient by more than {moved:.2e} of its scale"
 
 
 def test_packed_documents_change_training(runs):
