@@ -48,7 +48,10 @@ and goes home from its last reader in one direct message, instead of the rest of
 
 ``ring_attn_forward`` / ``ring_attn_backward`` work on kernel-layout tensors
 ``[b, h, s, d]`` and any process group, so the Ulysses x ring hybrid calls them on the
-ring sub-group after its all-to-all. ``ring_attention`` is the public [s, b, h, d] API.
+ring sub-group after its all-to-all. The public [s, b, h, d] ``ring_attention`` and the autograd
+Function live in the dispatcher (`cp_ext.attention.dispatch`). A window plans its tiles like
+documents do (`cp_ext.attention.masks`); a sink is added by ``ring_attn_forward``'s finish step;
+k and v may have different head dims (the message then puts them side by side, `pack_kv`).
 """
 
 import functools
