@@ -80,6 +80,11 @@ def attention_flag_problems(args):
     if isinstance(freq, list) and len(freq) != args.num_layers:
         p.append(f"--window-attn-skip-freq lists {len(freq)} layers but --num-layers is {args.num_layers}; "
                  f"give one 0/1 per layer")
+    if getattr(args, "attention_dropout", 0) and (args.window_size is not None or args.softmax_type != "vanilla"):
+        what = " and ".join(f for f, on in (("--window-size", args.window_size is not None),
+                                            ("--softmax-type " + args.softmax_type, args.softmax_type != "vanilla")) if on)
+        p.append(f"--attention-dropout {args.attention_dropout} is not supported with {what} (cp_ext's kernels run "
+                 f"without dropout); set --attention-dropout 0")
     kernel = getattr(args, "attention_kernel", None)
     if args.window_size is None or kernel in (None, "auto"):
         return p

@@ -325,8 +325,11 @@ def test_evaluation_splits():
         (CUDA + ["--bf16", "--attention-backend", "flash", "--window-size", "8,0"],
          ["--window-size needs a kernel that applies a window", "--attention-backend flash",
           "cpu, efficient, unfused"]),
+        (["--softmax-type", "learnable", "--attention-dropout", "0.1"],
+         ["--attention-dropout 0.1 is not supported with --softmax-type learnable", "--attention-dropout 0"]),
     ],
-    ids=["window-looks-ahead", "skip-freq-without-window", "skip-freq-list-length", "window-on-flash"],
+    ids=["window-looks-ahead", "skip-freq-without-window", "skip-freq-list-length", "window-on-flash",
+         "sink-with-dropout"],
 )
 def test_bad_window_flags_name_the_flag(cuda_host, argv, must_name):
     message = _error(argv, 2)
