@@ -57,7 +57,7 @@ class _Plan:
     """What forward and backward share: the groups, the kernel, KV replicas, the core's tiles."""
 
     def __init__(self, q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout, kernel,
-                 document_ids, comm_type, window_size):
+                 document_ids, comm_type, window_size, all_gather_group=None, positions=None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
         make_window(window_size, causal)  # a malformed window fails here, before any exchange
@@ -68,8 +68,8 @@ class _Plan:
         self.ring_group, self.all_gather, self.schedule, self.blocks = ring_group, None, None, None
         if document_ids is not None:
             check_document_ids(document_ids, q.shape[1], q.shape[0], q.device)
-        if comm_type == "all_gather" or (isinstance(comm_type, tuple) and comm_type[0] == "all_gather"):
-            group, positions = _all_gather_layout(q, layout, comm_type)
+        if comm_type == "all_gather":
+            group, positions = _all_gather_layout(q, layout, all_gather_group, positions)
             self.ulysses_group, self.rep, self.heads = None, 1, slice(None)
             self.all_gather = dict(group=group, plan=AllGatherPlan(positions, group, causal, document_ids, window_size))
             return
@@ -127,15 +127,20 @@ class _Plan:
             dk, dv = (g.unflatten(2, (g.shape[2] // self.rep, self.rep)).sum(3) for g in (dk, dv))
         return dq, dk, dv
 
-    def offset_grad(self, douth, outh, lse, offset, full):
+    def my_offset(self, softmax_offset):
+        """The sink logits of this rank's heads (after the exchange), or None."""
+        return None if softmax_offset is None else softmax_offset.detach()[self.heads]
+
+    def offset_grad(self, douth, outh, lse, softmax_offset):
         """This rank's share of the sink's gradient, as a full [h] tensor (zero off this rank's heads)."""
-        g = torch.zeros_like(full)
-        g[self.heads] = sink_grad(douth, outh, lse, offset).to(full.dtype)
+        g = torch.zeros_like(softmax_offset)
+        g[self.heads] = sink_grad(douth, outh, lse, self.my_offset(softmax_offset)).to(g.dtype)
         return g
 
 
 def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None,
-                         document_ids=None, comm_type=None, window_size=None, softmax_offset=None):
+                         document_ids=None, comm_type=None, window_size=None, softmax_offset=None,
+                         all_gather_group=None, positions=None):
     """The forward with no autograd, on [s, b, h, d] shards: ``(out, lse, plan)``.
 
     ``out`` is the local output shard [s, b, h, d_v]; ``lse`` the finished fp32 log-sum-exp of this
@@ -146,14 +151,14 @@ def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_
     with torch.no_grad():
         plan = _Plan(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
                      ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids,
-                     comm_type=comm_type, window_size=window_size)
-        offset = None if softmax_offset is None else softmax_offset.detach()[plan.heads]
-        outh, lse = plan.core_forward(plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep), offset)
-        plan.offset = offset
+                     comm_type=comm_type, window_size=window_size, all_gather_group=all_gather_group,
+                     positions=positions)
+        outh, lse = plan.core_forward(plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep),
+                                      plan.my_offset(softmax_offset))
         return plan.from_heads(outh), lse, plan
 
 
-def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None, **_):
+def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None):
     """(dq, dk, dv, d_offset or None) of `cp_attention_forward` from its (out, lse, plan); all [s, b, h, d].
 
     With U > 1 the head layout of q, k, v, out and dout is rebuilt here by all-to-all (the
@@ -162,7 +167,7 @@ def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None, **
         qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
         outh, douth = plan.to_heads(out), plan.to_heads(dout)
         grads = plan.grads_to_seq(*plan.core_backward(douth, qh, kh, vh, outh, lse), (q.dtype, k.dtype, v.dtype))
-        d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, plan.offset, softmax_offset)
+        d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, softmax_offset)
         return grads + (d_offset,)
 
 
@@ -174,20 +179,19 @@ class CPAttnFunc(torch.autograd.Function):
         _check_inputs(q, k, v, softmax_offset)
         plan = _Plan(q, k, v, **args)
         qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
-        offset = None if softmax_offset is None else softmax_offset.detach()[plan.heads]
-        outh, lse = plan.core_forward(qh, kh, vh, offset)
-        ctx.save_for_backward(qh, kh, vh, outh, lse, offset, softmax_offset)
+        outh, lse = plan.core_forward(qh, kh, vh, plan.my_offset(softmax_offset))
+        ctx.save_for_backward(qh, kh, vh, outh, lse, softmax_offset)
         ctx.plan, ctx.dtypes = plan, (q.dtype, k.dtype, v.dtype)
         return plan.from_heads(outh)
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, outh, lse, offset, full_offset = ctx.saved_tensors
+        qh, kh, vh, outh, lse, softmax_offset = ctx.saved_tensors
         plan = ctx.plan
         douth = plan.to_heads(dout)
         dqh, dkh, dvh = plan.core_backward(douth, qh, kh, vh, outh, lse)
         dq, dk, dv = plan.grads_to_seq(dqh, dkh, dvh, ctx.dtypes)
-        d_offset = None if full_offset is None else plan.offset_grad(douth, outh, lse, offset, full_offset)
+        d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, softmax_offset)
         return dq, dk, dv, d_offset, None
 
 
@@ -224,8 +228,6 @@ def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
         from cp_ext import parallel_state
 
         group = parallel_state.get_ring_group()
-    if q.dim() != 4:
-        raise ValueError(f"ring_attention takes [s, b, h, d] tensors, got q of shape {tuple(q.shape)}")
     return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP, ring_group=group,
                             layout=layout, kernel=kernel, document_ids=document_ids, window_size=window_size,
                             softmax_offset=softmax_offset)
@@ -255,7 +257,7 @@ def all_gather_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float
         group = mpu.get_context_parallel_group()
     return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=None,
                       ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
-                      comm_type=("all_gather", group, positions), window_size=window_size)
+                      comm_type="all_gather", window_size=window_size, all_gather_group=group, positions=positions)
 
 
 def context_parallel_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, layout="zigzag",
@@ -276,7 +278,7 @@ def context_parallel_attention(q, k, v, *, causal: bool, softmax_scale: Optional
                             softmax_offset=softmax_offset)
 
 
-NO_GROUP = "none"  # the absent level of the hybrid (ring_attention has no Ulysses group, ulysses_attention no ring)
+NO_GROUP = object()  # the absent level of the hybrid (ring_attention has no Ulysses group, ulysses_attention no ring)
 
 
 def _size(group):
@@ -287,13 +289,12 @@ def _rank(group):
     return 0 if group is NO_GROUP else dist.get_rank(group)
 
 
-def _all_gather_layout(q, layout, comm_type):
-    """The all-gather group and this rank's global positions: the run's CP group and layout, or
-    those `all_gather_attention` was given (``comm_type = ("all_gather", group, positions)``)."""
+def _all_gather_layout(q, layout, group, positions):
+    """The all-gather group and this rank's global positions: those `all_gather_attention` was given
+    (``group``; ``positions``, default ``layout`` over it), else the run's CP group and layout."""
     from cp_ext.data.sharding import context_parallel_positions
 
-    if isinstance(comm_type, tuple):
-        _, group, positions = comm_type
+    if group is not None:
         if positions is None:
             size = dist.get_world_size(group)
             positions = context_parallel_positions(q.shape[0] * size, ring_rank=dist.get_rank(group), ring_size=size,

@@ -39,17 +39,16 @@ class ReplayAttention(torch.autograd.Function):
     """Returns the kept output of the first forward; its backward is the CP attention backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_offset, out, lse, plan, attn_kwargs):
+    def forward(ctx, q, k, v, softmax_offset, out, lse, plan):
         ctx.save_for_backward(q, k, v, out, lse, softmax_offset)
-        ctx.plan, ctx.attn_kwargs = plan, attn_kwargs
+        ctx.plan = plan  # the forward's mask, groups and kernel: all the backward needs besides the tensors
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, softmax_offset = ctx.saved_tensors
-        dq, dk, dv, d_offset = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, softmax_offset=softmax_offset,
-                                                     **ctx.attn_kwargs)
-        return dq, dk, dv, d_offset, None, None, None, None
+        dq, dk, dv, d_offset = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, softmax_offset=softmax_offset)
+        return dq, dk, dv, d_offset, None, None, None
 
 
 class KeptAttention:
@@ -84,7 +83,7 @@ class KeptAttention:
         if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
             raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
                                f"recomputed query {tuple(q.shape)}")
-        return ReplayAttention.apply(q, k, v, offset, out, lse, plan, attn_kwargs)
+        return ReplayAttention.apply(q, k, v, offset, out, lse, plan)
 
     def clear(self):
         while self._kept:

@@ -125,7 +125,7 @@ def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
                   ring_group=ring_group, layout=case["layout"])
     out, lse, plan = cp_attention_forward(q, k, v, **kwargs)
     assert not out.requires_grad and lse.shape == (q.shape[1], q.shape[2] // case["U"], q.shape[0] * case["U"])
-    return ReplayAttention.apply(q, k, v, None, out, lse, plan, kwargs)
+    return ReplayAttention.apply(q, k, v, None, out, lse, plan)
 
 
 def _errors(ulysses_group, ring_group):
