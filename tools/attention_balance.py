@@ -1,9 +1,9 @@
 """Causal attention work per CP rank: zigzag vs contiguous sharding.
 
-For each rank this replays the ring's own step schedule (`cp_ext.attention.ring.step_plan`,
-the function the forward and backward loops run) and counts the (query, key) pairs each
-step's kernel call computes: a causal diagonal tile of n rows counts n(n+1)/2, a full tile
-rows x cols. So the numbers cannot drift from the code.
+For each rank this builds the ring's own schedule (`cp_ext.attention.ring.RingSchedule`, what
+the forward and backward loops run) and counts the (query, key) pairs each tile's kernel calls
+compute (`cp_ext.attention.masks.Block.pairs`: a causal diagonal tile of n rows counts n(n+1)/2,
+a full tile rows x cols). So the numbers cannot drift from the code.
 
     python tools/attention_balance.py [--seq-len-per-chunk 1024]
 """
@@ -14,23 +14,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cp_ext.attention.ring import ALL, step_plan  # noqa: E402
-
-
-def _rows(part, s):
-    return s if part == ALL else s // 2
+from cp_ext.attention.ring import RingSchedule  # noqa: E402
 
 
 def tile_area(rank, size, s_local, layout, causal=True):
     """(q, k) pairs ring rank `rank` computes over one forward, local shard length s_local."""
-    area = 0
-    for step in range(size):
-        plan = step_plan(rank, size, step, causal, layout)
-        if plan is None:
-            continue
-        nq, nk = _rows(plan.q_part, s_local), _rows(plan.kv_part, s_local)
-        area += nq * (nq + 1) // 2 if plan.causal else nq * nk
-    return area
+    schedule = RingSchedule(rank, size, s_local, causal, layout)
+    tiles = [schedule.tile(step) for step in range(schedule.num_steps)]
+    return sum(blk.pairs() for tile in tiles if tile is not None for blk in tile[2])
 
 
 def main(argv=None):

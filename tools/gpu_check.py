@@ -12,7 +12,7 @@ written with the environment to ``DIR/summary.json`` (default gpu_check_out/).
    tokens = 8 chunks of 25, so every step after the first is a half tile of 25 rows and the
    efficient kernel pads its LSE from 25 / 50 rows to 32 / 64. The forward and backward are
    ring_attn_forward / ring_attn_backward's loops with "receive block src" replaced by
-   indexing it: `step_plan`, `_rows`, ``kernel.forward``, `update_out_and_lse`; the backward
+   indexing it: `plan_tile`'s tiles, ``kernel.forward_blocks``, `update_out_and_lse`; the backward
    on each block with the *global* out / LSE, dq summed locally and dk / dv on the block's
    owner, in fp32. For every kernel of `KERNELS` that can run here x fp64/fp32/bf16/fp16
    (where `kernel_problem` allows) x causal/full x MHA/GQA (h 8, kv 8 or 2, d 64): out, LSE,
@@ -74,9 +74,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cp_ext.attention.documents import clip_runs, diagonal_segments, document_runs, tile_segments  # noqa: E402
+from cp_ext.attention.documents import diagonal_segments, document_runs, tile_segments  # noqa: E402
 from cp_ext.attention.kernels import KERNELS, get_kernel, kernel_problem  # noqa: E402
-from cp_ext.attention.ring import _rows, step_plan  # noqa: E402
+from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span  # noqa: E402
 from cp_ext.attention.utils import accum_dtype, update_out_and_lse  # noqa: E402
 from cp_ext.data.sharding import zigzag_positions  # noqa: E402
 
@@ -119,42 +119,37 @@ def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale, document_ids=No
     q, dout [s, b, h, d] and k, v [s, b, hk, d] are the full sequence in the dtype under
     test. Virtual rank r holds its zigzag shard as ring_attention hands it to the ring (a
     [b, h, s/C, d] view of a [s/C, b, h, d] tensor) and KV stacked as the ring sends it.
-    ``document_ids`` [b, s] (the full sequence's, CPU): packed documents, planned as
-    `RingSchedule` plans them (each tile's `tile_segments`; a tile without one is skipped) and
-    computed by ``kernel.forward_segments`` / ``backward_segments``.
-    Returns the full-sequence out, dq, dk, dv [s, b, ., d] and lse [b, h, s].
+    Each (rank, step) tile is planned as `RingSchedule` plans it (`cp_ext.attention.masks.plan_tile`
+    on the ranks' positions, with ``document_ids`` [b, s] (the full sequence's, CPU) cut into
+    document segments; a tile without blocks is skipped) and computed by ``kernel.forward_blocks``
+    / ``backward_blocks``. Returns the full-sequence out, dq, dk, dv [s, b, ., d] and lse [b, h, s].
     """
-    s, n, dev = q.shape[0], q.shape[0] // ring, q.device
+    s, dev = q.shape[0], q.device
     pos = [zigzag_positions(s, r, ring, device=dev) for r in range(ring)]
     local = lambda x, r: x.index_select(0, pos[r]).permute(1, 2, 0, 3)  # noqa: E731
     Q, DO = [local(q, r) for r in range(ring)], [local(dout, r) for r in range(ring)]
     KV = [torch.stack([local(k, r), local(v, r)]) for r in range(ring)]
     acc = accum_dtype(q.dtype)
-    plans = [[step_plan(r, ring, t, causal) for t in range(ring)] for r in range(ring)]
-    runs = None if document_ids is None else [document_runs(document_ids[:, pos[r].cpu()]) for r in range(ring)]
+    runs = [position_runs(p.tolist()) for p in pos]
+    docs = None if document_ids is None else [document_runs(document_ids[:, pos[r].cpu()]) for r in range(ring)]
 
-    def tiles(r):  # rank r's tiles that compute: (plan, q rows, kv rows, segments or None for dense)
-        for plan in filter(None, plans[r]):
-            qs, ks, segments = _rows(plan.q_part, n), _rows(plan.kv_part, n), None
-            if runs is not None:
-                segments = tile_segments(clip_runs(runs[r], qs, n), clip_runs(runs[plan.src], ks, n))
-                if not segments:
-                    continue
-            yield plan, qs, ks, segments
-
-    def call(method, segments, *args, causal):  # kernel.forward(...) or kernel.forward_segments(..., segments)
-        if segments is None:
-            return getattr(kernel, method)(*args, causal=causal, scale=scale)
-        return getattr(kernel, f"{method}_segments")(*args, segments, causal=causal, scale=scale)
+    def tiles(r):  # rank r's tiles that compute: (block src, q rows, kv rows, blocks shifted to them)
+        for step in range(ring):
+            src = (r - step) % ring
+            blocks = plan_tile(runs[r], runs[src], make_window(None, causal), same_tokens=src == r,
+                               q_docs=None if docs is None else docs[r], k_docs=None if docs is None else docs[src])
+            if blocks:
+                qs, ks = tile_span(blocks)
+                yield src, qs, ks, [blk.shift(qs.start, ks.start) for blk in blocks]
 
     outs, lses = [], []
     for r in range(ring):  # forward of rank r: at step t it holds block src = (r - t) mod C
         out = torch.zeros(Q[r].shape, dtype=acc, device=dev)
         lse = torch.full(Q[r].shape[:3], float("-inf"), dtype=acc, device=dev)
-        for plan, qs, ks, segments in tiles(r):
-            kv = KV[plan.src]
-            block_out, block_lse = call("forward", segments, Q[r][:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                        causal=plan.causal)
+        for src, qs, ks, blocks in tiles(r):
+            kv = KV[src]
+            block_out, block_lse = kernel.forward_blocks(Q[r][:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], blocks,
+                                                         scale=scale)
             update_out_and_lse(out, lse, block_out, block_lse, qs)
         outs.append(out.to(q.dtype))  # what the ring returns and saves for its backward
         lses.append(lse)
@@ -162,13 +157,14 @@ def simulate_ring(kernel, q, k, v, dout, *, ring, causal, scale, document_ids=No
     dq = [torch.zeros(x.shape, dtype=acc, device=dev) for x in Q]
     dkv = [torch.zeros(x.shape, dtype=acc, device=dev) for x in KV]  # each block's, at its owner
     for r in range(ring):  # backward of rank r, with the global out / LSE of its rows
-        for plan, qs, ks, segments in tiles(r):
-            kv = KV[plan.src]
-            dq_s, dk_s, dv_s = call("backward", segments, DO[r][:, :, qs], Q[r][:, :, qs], kv[0][:, :, ks],
-                                    kv[1][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs], causal=plan.causal)
+        for src, qs, ks, blocks in tiles(r):
+            kv = KV[src]
+            dq_s, dk_s, dv_s = kernel.backward_blocks(DO[r][:, :, qs], Q[r][:, :, qs], kv[0][:, :, ks],
+                                                      kv[1][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs], blocks,
+                                                      scale=scale)
             dq[r][:, :, qs].add_(dq_s)
-            dkv[plan.src][0][:, :, ks].add_(dk_s)
-            dkv[plan.src][1][:, :, ks].add_(dv_s)
+            dkv[src][0][:, :, ks].add_(dk_s)
+            dkv[src][1][:, :, ks].add_(dv_s)
 
     order = torch.cat(pos)  # the global position of each row of the shards, in rank order
 

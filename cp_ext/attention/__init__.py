@@ -31,7 +31,7 @@ from cp_ext.attention.dispatch import (
     hybrid_attention, local_attention, ring_attention, ulysses_attention,
 )
 from cp_ext.attention.kernels import AttnKernel, get_kernel
-from cp_ext.attention.ring import ring_attn_backward, ring_attn_forward, step_plan
+from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
 from cp_ext.attention.ulysses import all_to_all
 from cp_ext.attention.utils import RingComm, add_sink, update_out_and_lse
 
@@ -39,6 +39,7 @@ __all__ = [
     "AttnKernel",
     "CPAttnFunc",
     "RingComm",
+    "RingSchedule",
     "add_sink",
     "all_gather_attention",
     "all_to_all",
@@ -51,7 +52,6 @@ __all__ = [
     "ring_attention",
     "ring_attn_backward",
     "ring_attn_forward",
-    "step_plan",
     "ulysses_attention",
     "update_out_and_lse",
 ]

@@ -23,7 +23,7 @@ kernel's own causal mask is the document-causal mask.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,11 +106,6 @@ def tile_segments(q_runs: Runs, k_runs: Runs) -> List[Segment]:
 def diagonal_segments(runs: Runs) -> List[Segment]:
     """Segments of a tile whose q and k are the same tokens: one square per document."""
     return [Segment(b, a, e, a, e) for b, sample in enumerate(runs) for _, a, e in sample]
-
-
-def segment_pairs(segments: Sequence[Segment], causal: bool) -> int:
-    """Query-key pairs the segments compute (what a tile costs; causal squares count their triangle)."""
-    return sum((s.q1 - s.q0) * (s.q1 - s.q0 + 1) // 2 if causal else (s.q1 - s.q0) * (s.k1 - s.k0) for s in segments)
 
 
 def gather_parts(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:

@@ -89,12 +89,6 @@ class Band:
         """Whether this is the plain causal square every kernel takes natively."""
         return nq == nk and self.lo is None and self.hi == 0
 
-    def pairs(self, nq: int, nk: int) -> int:
-        """Visible pairs, by arithmetic (what the work counter reports)."""
-        lo = -(nq - 1) if self.lo is None else self.lo
-        hi = nk - 1 if self.hi is None else self.hi
-        return sum(max(0, min(nk - 1, i + hi) - max(0, i + lo) + 1) for i in range(nq))
-
 
 @dataclass(frozen=True)
 class Block:
@@ -112,9 +106,8 @@ class Block:
         return replace(self, q0=self.q0 - dq, q1=self.q1 - dq, k0=self.k0 - dk, k1=self.k1 - dk)
 
     def pairs(self) -> int:
-        """Query-key pairs the kernel computes: the rectangle, or the triangle of the causal square
-        (kernels skip its upper half); any other band is applied as a dense mask (its visible pairs:
-        `Band.pairs`)."""
+        """Query-key pairs the kernel computes (what the work counter reports): the triangle of the
+        causal square (kernels skip its upper half), else the rectangle (any other band is a dense mask)."""
         nq, nk = self.q1 - self.q0, self.k1 - self.k0
         return nq * (nq + 1) // 2 if self.band is not None and self.band.is_causal(nq, nk) else nq * nk
 

@@ -55,7 +55,6 @@ k and v may have different head dims (the message then puts them side by side, `
 """
 
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -68,37 +67,6 @@ from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, up
 from cp_ext.data.sharding import LAYOUTS, check_seq_len, context_parallel_positions
 from cp_ext.perf.counter import WORK_COUNTER
 
-ALL, FIRST, SECOND = "all", "first", "second"
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one ring step computes: q rows ``q_part`` against KV rows ``kv_part`` of block ``src``."""
-
-    src: int
-    q_part: str
-    kv_part: str
-    causal: bool
-
-
-def step_plan(rank: int, size: int, step: int, causal: bool, layout: str = "zigzag") -> Optional[Step]:
-    """The work of ring rank ``rank`` at ``step`` (None: nothing to compute, only pass KV on)."""
-    src = (rank - step) % size
-    if not causal:
-        return Step(src, ALL, ALL, False)
-    if src == rank:
-        return Step(src, ALL, ALL, True)  # diagonal
-    if layout == "contiguous":
-        return Step(src, ALL, ALL, False) if src < rank else None
-    if src < rank:
-        return Step(src, ALL, FIRST, False)
-    return Step(src, SECOND, ALL, False)
-
-
-def _rows(part: str, s: int) -> slice:
-    return {ALL: slice(None), FIRST: slice(0, s // 2), SECOND: slice(s // 2, None)}[part]
-
-
 class RingSchedule:
     """What this rank computes at each ring step, and which KV blocks travel how far.
 
@@ -109,7 +77,7 @@ class RingSchedule:
     rank computes with block ``src`` (rank ``src + reach`` at step ``reach``), the ranks in between
     pass it on, and the ring runs ``num_steps = max(reach) + 1`` steps on every rank. A window
     shortens the reach as documents do. Without either, every block goes all the way round and
-    each tile is the one rectangle of `step_plan`.
+    each tile is one rectangle: the causal diagonal, or the half tile of the module docstring.
     """
 
     def __init__(self, rank, size, s, causal, layout, group=None, document_ids=None, window_size=None):

@@ -167,7 +167,7 @@ def test_bad_sequence_length_is_a_clear_error(results):
 
 
 def test_balance_tool_zigzag_within_5_percent(capsys):
-    """tools/attention_balance.py replays `step_plan`: every causal pair once, zigzag max/mean <= 1.05."""
+    """tools/attention_balance.py replays `RingSchedule`: every causal pair once, zigzag max/mean <= 1.05."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "tools" / "attention_balance.py"

@@ -1,6 +1,7 @@
 """tools/gpu_check.py on the CPU: its simulated ring passes with the CPU kernels, it fails when
 the ring is broken, and its exit status and final line say what ran and what did not."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -9,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+from cp_ext.attention.masks import Band, Block
 
 from tests.launch import REPO_ROOT
 
@@ -97,11 +100,11 @@ def test_wrong_lse_in_backward_fails_only_the_gradients(gc, monkeypatch):
     kernel = gc.get_kernel(torch.device("cpu"), torch.float32, "unfused")
 
     class StaleLse:
-        def forward(self, *a, **kw):
-            return kernel.forward(*a, **kw)
+        def forward_blocks(self, *a, **kw):
+            return kernel.forward_blocks(*a, **kw)
 
-        def backward(self, dout, q, k, v, out, lse, **kw):
-            return kernel.backward(dout, q, k, v, out, lse + 0.05, **kw)
+        def backward_blocks(self, dout, q, k, v, out, lse, blocks, **kw):
+            return kernel.backward_blocks(dout, q, k, v, out, lse + 0.05, blocks, **kw)
 
     monkeypatch.setattr(gc, "get_kernel", lambda *a, **kw: StaleLse())
     r = gc.sim_ring_row("unfused", "fp32", False, False, torch.device("cpu"), {})
@@ -111,9 +114,15 @@ def test_wrong_lse_in_backward_fails_only_the_gradients(gc, monkeypatch):
 
 
 def test_wrong_half_tile_fails(gc, monkeypatch):
-    """A step plan that merges the wrong half of the rows (zigzag's half tiles) is caught."""
-    rows = gc._rows
-    monkeypatch.setattr(gc, "_rows", lambda part, s: rows({"first": "second", "second": "first"}.get(part, part), s))
+    """A plan that computes the wrong half of the rows (zigzag's half tiles mirrored) is caught."""
+    plan = gc.plan_tile
+
+    def mirrored(q_runs, k_runs, window, *, same_tokens, **kw):
+        blocks = plan(q_runs, k_runs, window, same_tokens=same_tokens, **kw)
+        n = q_runs[-1][1]
+        return blocks if same_tokens else [dataclasses.replace(b, q0=n - b.q1, q1=n - b.q0) for b in blocks]
+
+    monkeypatch.setattr(gc, "plan_tile", mirrored)
     r = gc.sim_ring_row("cpu", "fp32", True, False, torch.device("cpu"), {})
     assert r["status"] == "FAIL", r
 
@@ -167,6 +176,20 @@ class _WrongSegments:
         if self.how == "stale lse":
             lse = lse + 0.05
         return self.kernel.backward_segments(dout, q, k, v, out, lse, segments, **kw)
+
+    # the same breakages where the simulated ring computes a tile (its blocks: document segments)
+    def forward_blocks(self, q, k, v, blocks, **kw):
+        if self.how == "ignore documents":  # one block over the tile, causal where the segments were
+            causal = any(b.band is not None for b in blocks) and q.shape[2] == k.shape[2]
+            blocks = [Block(0, q.shape[2], 0, k.shape[2], Band(None, 0) if causal else None)]
+        if self.how == "drop a segment":
+            blocks = blocks[:-1]
+        return self.kernel.forward_blocks(q, k, v, blocks, **kw)
+
+    def backward_blocks(self, dout, q, k, v, out, lse, blocks, **kw):
+        if self.how == "stale lse":
+            lse = lse + 0.05
+        return self.kernel.backward_blocks(dout, q, k, v, out, lse, blocks, **kw)
 
 
 @pytest.mark.parametrize("how, broken", [("ignore documents", {"out", "lse"}), ("drop a segment", {"out", "lse"}),
