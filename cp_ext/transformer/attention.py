@@ -66,9 +66,8 @@ class CoreAttention(MegatronModule):
     ):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
-        # MLASelfAttention passes its q/k and v head dims (192 / 128 at DeepSeek-V3 size); the
-        # attention itself reads them off the tensors, so these only document the contract.
-        self.k_channels, self.v_channels = k_channels, v_channels
+        # k_channels / v_channels: what MLASelfAttention passes (its q/k and v head dims, 192 / 128 at
+        # DeepSeek-V3 size); the attention reads both off the tensors it is given.
         # --window-size on the layers megatron's is_layer_window_attention selects (1-based global layer
         # numbers, --window-attn-skip-freq: every N-th layer, or a 0/1 list, keeps full attention).
         self.window_size = None
@@ -80,8 +79,9 @@ class CoreAttention(MegatronModule):
         softmax_type = getattr(config, "softmax_type", "vanilla")
         if softmax_type == "vanilla":
             self.softmax_offset = None
-        elif softmax_type == "off-by-one":  # a fixed 0 logit: softmax's denominator gains 1
-            self.softmax_offset = torch.zeros(heads, dtype=config.params_dtype)
+        elif softmax_type == "off-by-one":  # a fixed 0 logit: softmax's denominator gains 1 (a buffer: it
+            # follows the module's device, and is no checkpoint state, as megatron's plain tensor is not)
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
         elif softmax_type == "learnable":
             self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
             if config.perform_initialization:
@@ -131,15 +131,13 @@ class CoreAttention(MegatronModule):
         seq, batch, heads, head_dim = query.shape
         out_dim = heads * value.shape[-1]  # v's head dim (MLA: v_head_dim, not q's)
         window, offset = self.window_size, self.softmax_offset
-        if offset is not None and offset.device != query.device:
-            offset = offset.to(query.device)  # off-by-one's fixed zeros follow the model
+        scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
         document_ids = _document_ids(attention_mask, batch, seq, query.device)
         if self.kv_cache is not None:
             if document_ids is not None:
                 raise NotImplementedError("generation attends over one document; call the model without document ids")
             layer = self.layer_number - 1
             if self.kv_cache.decoding:  # one new token against the CP-sharded cache
-                scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
                 return self.kv_cache.attend(layer, query, key, value, scale, window_size=window,
                                             softmax_offset=offset).reshape(seq, batch, out_dim)
             self.kv_cache.store_prefill(layer, key, value, num_heads=heads)  # then attend as in training
@@ -148,8 +146,7 @@ class CoreAttention(MegatronModule):
 
             out = self.kept.forward(
                 query, key, value, causal=causal, layout=self.cp_layout,
-                softmax_scale=head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale),
-                ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
+                softmax_scale=scale, ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
                 window_size=window, softmax_offset=offset,
             )
@@ -161,7 +158,7 @@ class CoreAttention(MegatronModule):
             if self.dropout_p and self.training:
                 raise NotImplementedError("attention dropout is not supported with context parallelism")
             out = context_parallel_attention(
-                query, key, value, causal=causal, softmax_scale=self.softmax_scale, layout=self.cp_layout,
+                query, key, value, causal=causal, softmax_scale=scale, layout=self.cp_layout,
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
                 window_size=window, softmax_offset=offset,
             )
@@ -179,7 +176,6 @@ class CoreAttention(MegatronModule):
                 raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel"
                                           + (" with document masks, windows or sinks"
                                              if self.kernel in ("auto", "unfused") else ""))
-            scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
             out = local_attention(query, key, value, causal=causal, softmax_scale=scale,
                                   kernel=None if self.kernel == "auto" else self.kernel, document_ids=document_ids,
                                   window_size=window, softmax_offset=offset)
