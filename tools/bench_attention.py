@@ -202,7 +202,7 @@ def main(argv=None):
         options["window"] = {"window_size": (args.window, 0)}
     if args.sink:
         options["sink"] = {"softmax_offset": torch.randn(h, generator=gen).to(device=device, dtype=torch.float32)}
-    doc_variants = [n for n in variants if n in ("ring", "all_gather")] if options else []
+    paired_variants = [n for n in variants if n in ("ring", "all_gather")] if options else []
 
     def leaf(x):
         return x.detach().clone().requires_grad_()
@@ -234,7 +234,7 @@ def main(argv=None):
     runners = {}
     for n in variants:  # a variant's runs with each option right after its run without
         runners[n] = run_ideal if n == "ideal" else (lambda n=n: run_cp(n))
-        if n in doc_variants:
+        if n in paired_variants:
             for option in options:
                 runners[f"{n}+{option}"] = lambda n=n, o=option: run_cp(n, o)
 
@@ -280,7 +280,7 @@ def main(argv=None):
         used = [coll for coll in formula if any((*formula[coll].values(), fwd.get(coll), bwd.get(coll)))]
         counted[n] = {coll: {"fwd": fwd.get(coll, 0), "bwd": bwd.get(coll, 0),
                              "formula_fwd": formula[coll]["fwd"], "formula_bwd": formula[coll]["bwd"]} for coll in used}
-        for option in options if n in doc_variants else ():
+        for option in options if n in paired_variants else ():
             dfwd, dbwd, dwork = counted_call(n, option)
             colls = sorted(set(fwd) | set(bwd) | set(dfwd) | set(dbwd))
             by_coll = lambda f, b_: {c: {"fwd": f.get(c, 0), "bwd": b_.get(c, 0)} for c in colls}  # noqa: E731
@@ -295,7 +295,7 @@ def main(argv=None):
         res = report(args, C, u_h, variants, slowest, all_counts, device, ideal_split)
         for option in options:
             key = {"docs": "documents"}.get(option, option)
-            res[key] = report_paired(args, option, doc_variants, slowest, [r[option] for r in all_paired])
+            res[key] = report_paired(args, option, paired_variants, slowest, [r[option] for r in all_paired])
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -309,7 +309,7 @@ def _med(xs):
     return statistics.median(xs)
 
 
-def report_paired(args, option, doc_variants, slowest, all_counts):
+def report_paired(args, option, paired_variants, slowest, all_counts):
     """With the option (documents, a window, a sink) vs without, per variant: tiles and pairs per rank,
     time, bytes per rank."""
     s = args.seq_length
@@ -324,7 +324,7 @@ def report_paired(args, option, doc_variants, slowest, all_counts):
     else:
         print("sink: softmax_offset [h]; with / without, same run:")
         out = {"variants": {}}
-    for n in doc_variants:
+    for n in paired_variants:
         per_rank = [r[n] for r in all_counts]
         keys = (option, "none")
         tiles = {k: [r[k]["work"]["tiles"] for r in per_rank] for k in keys}

@@ -25,7 +25,7 @@ VARIANTS = {"window 24 + sink": dict(hk=2, d=64, dv=64, window=(24, 0)),
 
 def _inputs(d, dv, hk):
     gen = torch.Generator().manual_seed(d * 1000 + dv + hk)
-    q, dout = torch.randn(S, B, H, d, generator=gen, dtype=torch.float64), None
+    q = torch.randn(S, B, H, d, generator=gen, dtype=torch.float64)
     k = torch.randn(S, B, hk, d, generator=gen, dtype=torch.float64)
     v = torch.randn(S, B, hk, dv, generator=gen, dtype=torch.float64)
     dout = torch.randn(S, B, H, dv, generator=gen, dtype=torch.float64)

@@ -17,7 +17,7 @@ from tests.launch import one_rank_megatron, run_code
 
 @pytest.mark.quick
 def test_packed_sample_equals_documents_as_samples(tmp_path):
-    code = one_rank_megatron(tmp_path, cp_ext_groups=True) + textwrap.dedent(f"""
+    code = one_rank_megatron(tmp_path, cp_ext_groups=True) + textwrap.dedent("""
         from cp_ext.arguments import parse_args
         from cp_ext.config import transformer_config_from_args
         from cp_ext.models.gpt_moe import build_model

@@ -17,7 +17,7 @@ from tests.launch import one_rank_megatron, run_code
 
 
 def test_configured_kernel_runs_at_cp1(tmp_path):
-    code = one_rank_megatron(tmp_path) + textwrap.dedent(f"""
+    code = one_rank_megatron(tmp_path) + textwrap.dedent("""
         from megatron.core.transformer.enums import AttnMaskType
         import cp_ext.attention.dispatch as ulysses
         from cp_ext.config import ContextParallelTransformerConfig
@@ -29,7 +29,7 @@ def test_configured_kernel_runs_at_cp1(tmp_path):
         q = torch.randn(24, 2, 4, 8, generator=g, dtype=torch.float64)  # [s, b, h, d], GQA 4 -> 2
         k, v = (torch.randn(24, 2, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         dout = torch.randn(24, 2, 32, generator=g, dtype=torch.float64)
-        results = {{}}
+        results = {}
         for kernel in ("auto", "unfused", "cpu"):
             config = ContextParallelTransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                                       num_query_groups=2, attention_kernel=kernel, attention_dropout=0.0)

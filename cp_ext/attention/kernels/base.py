@@ -97,7 +97,7 @@ class AttnKernel:
         hk, dqk, dv = k.shape[1], q.shape[-1], v.shape[-1]
         dout, out = dout.to(q.dtype), out.to(q.dtype)  # a tile's merged fp32 out: the kernel takes q's dtype
         q, k, v = self._pad_heads(q, k, v)
-        dout, out = self._pad_heads_like(dout, v.shape[-1]), self._pad_heads_like(out, v.shape[-1])
+        dout, out = _pad_to(dout, v.shape[-1]), _pad_to(out, v.shape[-1])
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # sees nothing: P = 0, not NaN
         k, v = self._expand_kv(q, k, v)
         dq, dk, dvv = self._backward(dout, q, k, v, out, lse, causal, scale, mask)
@@ -162,8 +162,8 @@ class AttnKernel:
         if band.is_causal(sq, sk):
             return True, None
         if not self.limits.masks:
-            raise ValueError(f"the {self.name} kernel cannot apply a sliding window or a banded mask; use "
-                             f"--attention-backend with a kernel that can (cpu, efficient, unfused)")
+            raise ValueError(f"the {self.name} kernel cannot apply a sliding window or a banded mask (its limits: "
+                             f"masks=False); get_kernel(..., window=True) picks a kernel that can")
         return False, band.mask(sq, sk, q.device)
 
     def _pad_heads(self, q, k, v):
@@ -174,9 +174,6 @@ class AttnKernel:
         if dv < dqk:
             return q, k, F.pad(v, (0, dqk - dv))
         return F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk)), v
-
-    def _pad_heads_like(self, x, d):
-        return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
 
     def _expand_kv(self, q, k, v):
         if self.native_gqa or k.shape[1] == q.shape[1]:
@@ -192,6 +189,11 @@ class AttnKernel:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
+
+
+def _pad_to(x, d):
+    """``x`` zero-padded on its last (head) dim to ``d``."""
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
 
 
 def _covers(blk: Block, q, k) -> bool:
