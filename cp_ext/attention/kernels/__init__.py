@@ -145,16 +145,15 @@ def supported(name: str, dtype: torch.dtype, head_dim: Optional[int], device_typ
                 f"{', '.join(masked)} (--attention-backend auto picks one)")
     if head_dim is None:
         return None
-    dims = {head_dim, v_head_dim or head_dim}
-    if not lim.distinct_v:  # padded to the larger one
-        dims = {max(dims)}
+    v_head_dim = v_head_dim or head_dim
+    padded = not lim.distinct_v and v_head_dim != head_dim  # both run at the larger head dim
+    dims = [max(head_dim, v_head_dim)] if padded else sorted({head_dim, v_head_dim})
     align, limit = lim.alignment(dtype), lim.max_head_dim
-    for d in sorted(dims):
+    for d in dims:
         if d < 1 or d % align or (limit and d > limit):
             rule = " and ".join(r for r in (f"a multiple of {align}" if align > 1 else "",
                                             f"at most {limit}" if limit else "") if r) or "at least 1"
-            what = "head dim" if len(dims) > 1 or v_head_dim in (None, head_dim) or lim.distinct_v else \
-                f"head dim (q/k {head_dim} and v {v_head_dim} run padded to {d})"
+            what = f"head dim (q/k {head_dim} and v {v_head_dim} run padded to {d})" if padded else "head dim"
             return f"the {name} kernel needs a {what} that is {rule} for {dtype_name(dtype)}, not {d}"
     return None
 
