@@ -156,47 +156,30 @@ def test_document_ids_and_truth(gc):
         assert (got["out"][ids[:, None, :].expand(-1, 4, -1) < 0] == 0).all() and got["lse"][0, :, -1].isneginf().all()
 
 
-class _WrongSegments:
-    """Wraps a kernel: ``how`` breaks its forward_segments or backward_segments."""
+def _wrong_blocks(kernel, how):
+    """``kernel``'s class with ``how`` breaking the tiles it computes (document segments, as blocks):
+    both ``forward_segments`` (a kernel tile) and the simulated ring's ``forward_blocks`` go through it."""
 
-    def __init__(self, kernel, how):
-        self.kernel, self.how = kernel, how
+    class Wrong(type(kernel)):
+        def forward_blocks(self, q, k, v, blocks, **kw):
+            if how == "ignore documents":  # one block over the tile, causal where the segments were
+                causal = any(b.band is not None for b in blocks) and q.shape[2] == k.shape[2]
+                blocks = [Block(0, q.shape[2], 0, k.shape[2], Band(None, 0) if causal else None)]
+            if how == "drop a segment":
+                blocks = blocks[:-1]
+            return super().forward_blocks(q, k, v, blocks, **kw)
 
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
+        def backward_blocks(self, dout, q, k, v, out, lse, blocks, **kw):
+            return super().backward_blocks(dout, q, k, v, out, lse + 0.05 if how == "stale lse" else lse, blocks, **kw)
 
-    def forward_segments(self, q, k, v, segments, **kw):
-        if self.how == "ignore documents":  # the dense tile: attends across documents
-            return self.kernel.forward(q, k, v, **kw)
-        if self.how == "drop a segment":
-            segments = segments[:-1]
-        return self.kernel.forward_segments(q, k, v, segments, **kw)
-
-    def backward_segments(self, dout, q, k, v, out, lse, segments, **kw):
-        if self.how == "stale lse":
-            lse = lse + 0.05
-        return self.kernel.backward_segments(dout, q, k, v, out, lse, segments, **kw)
-
-    # the same breakages where the simulated ring computes a tile (its blocks: document segments)
-    def forward_blocks(self, q, k, v, blocks, **kw):
-        if self.how == "ignore documents":  # one block over the tile, causal where the segments were
-            causal = any(b.band is not None for b in blocks) and q.shape[2] == k.shape[2]
-            blocks = [Block(0, q.shape[2], 0, k.shape[2], Band(None, 0) if causal else None)]
-        if self.how == "drop a segment":
-            blocks = blocks[:-1]
-        return self.kernel.forward_blocks(q, k, v, blocks, **kw)
-
-    def backward_blocks(self, dout, q, k, v, out, lse, blocks, **kw):
-        if self.how == "stale lse":
-            lse = lse + 0.05
-        return self.kernel.backward_blocks(dout, q, k, v, out, lse, blocks, **kw)
+    return Wrong()
 
 
 @pytest.mark.parametrize("how, broken", [("ignore documents", {"out", "lse"}), ("drop a segment", {"out", "lse"}),
                                          ("stale lse", {"dq", "dk", "dv"})])
 def test_wrong_document_kernel_fails(gc, monkeypatch, how, broken):
     get = gc.get_kernel
-    monkeypatch.setattr(gc, "get_kernel", lambda *a, **kw: _WrongSegments(get(*a, **kw), how))
+    monkeypatch.setattr(gc, "get_kernel", lambda *a, **kw: _wrong_blocks(get(*a, **kw), how))
     device = torch.device("cpu")
     for r in (gc.doc_kernel_row("cpu", "fp32", "diagonal causal", True, device, {}),
               gc.doc_sim_ring_row("cpu", "fp32", False, device, {})):
