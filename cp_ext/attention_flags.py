@@ -12,11 +12,17 @@ field names, and applied by `cp_ext.transformer.attention.CoreAttention` on ever
 * ``--softmax-type vanilla|off-by-one|learnable``: attention sinks (megatron's
   ``softmax_offset``, one logit per head). Every kernel takes them: cp_ext adds the sink in the
   finish step after the LSE merge, not inside the kernel.
+
+And one of cp_ext's own (Megatron-LM has no such flag):
+
+* ``--cp-mla-exchange auto|kv|latent``: what multi-latent attention's ring and all-gather move,
+  per-head K/V or the latent they are computed from (`cp_ext.transformer.mla`); exact either way.
 """
 
 import argparse
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+MLA_EXCHANGES = ("auto", "kv", "latent")  # --cp-mla-exchange, read by cp_ext.transformer.mla
 
 
 def window_type(text):
@@ -65,6 +71,11 @@ def add_attention_args(g):
     g.add_argument("--softmax-type", choices=SOFTMAX_TYPES, default="vanilla",
                    help="attention sinks (Megatron-LM's): off-by-one adds a fixed 0 logit per head, learnable a "
                         "learned one (megatron's softmax_offset); every kernel takes them (added after the LSE merge)")
+    g.add_argument("--cp-mla-exchange", choices=MLA_EXCHANGES, default="auto",
+                   help="multi-latent attention under CP: what the ring and all-gather send per token, 'kv' (every "
+                        "head's K/V) or 'latent' (kv_lora_rank + qk_pos_emb_head_dim values, up-projected where "
+                        "used; 71x fewer bytes at DeepSeek-V3 size); auto: the latent wherever it is exchanged "
+                        "(ring or all_gather, TP 1), else kv")
 
 
 def attention_flag_problems(args):
@@ -85,6 +96,7 @@ def attention_flag_problems(args):
                                             ("--softmax-type " + args.softmax_type, args.softmax_type != "vanilla")) if on)
         p.append(f"--attention-dropout {args.attention_dropout} is not supported with {what} (cp_ext's kernels run "
                  f"without dropout); set --attention-dropout 0")
+    p.extend(_mla_exchange_problems(args))
     kernel = getattr(args, "attention_kernel", None)
     if args.window_size is None or kernel in (None, "auto"):
         return p
@@ -96,4 +108,22 @@ def attention_flag_problems(args):
         p.append(f"--window-size needs a kernel that applies a window, and --attention-backend "
                  f"{args.attention_backend} ({kernel}) cannot; use --attention-backend auto (picks one) or one of "
                  f"{able}")
+    return p
+
+
+def _mla_exchange_problems(args):
+    """--cp-mla-exchange latent where the latent cannot travel."""
+    if getattr(args, "cp_mla_exchange", "auto") != "latent":
+        return []
+    if not getattr(args, "multi_latent_attention", False):
+        return ["--cp-mla-exchange latent applies to multi-latent attention (--multi-latent-attention), which this "
+                "model does not use; drop --cp-mla-exchange"]
+    p = []
+    if getattr(args, "ulysses_size", 1) > 1 and set(getattr(args, "cp_comm_types", None) or ["a2a"]) != {"all_gather"}:
+        p.append(f"--cp-mla-exchange latent runs on the ring and all_gather, but this run's CP groups use Ulysses "
+                 f"(U = {args.ulysses_size}), which exchanges heads and the latent has none; use --cp-comm-type p2p "
+                 f"or all_gather, or --cp-mla-exchange kv")
+    if getattr(args, "tensor_model_parallel_size", 1) > 1:
+        p.append("--cp-mla-exchange latent runs at --tensor-model-parallel-size 1 only (the latent's TP gradient "
+                 "reduction is not built); use --cp-mla-exchange kv or auto")
     return p

@@ -33,6 +33,10 @@ class ContextParallelTransformerConfig(TransformerConfig):
     CP group, `cp_ext.attention.all_gather`), else None: every layer uses the groups above.
     Not megatron's ``cp_comm_type``, which only TransformerEngine's attention reads."""
 
+    cp_mla_exchange: str = "auto"
+    """``--cp-mla-exchange``: what multi-latent attention's ring and all-gather send, "kv" or the
+    "latent" (`cp_ext.transformer.mla`); "auto" takes the latent wherever it can travel."""
+
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
     call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped
@@ -82,6 +86,7 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
         attention_kernel=args.attention_kernel,
         cp_comm_types=args.cp_comm_types,
+        cp_mla_exchange=args.cp_mla_exchange,
         # activation recompute: megatron's own checkpointed forward does the work
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -327,9 +327,11 @@ def test_evaluation_splits():
           "cpu, efficient, unfused"]),
         (["--softmax-type", "learnable", "--attention-dropout", "0.1"],
          ["--attention-dropout 0.1 is not supported with --softmax-type learnable", "--attention-dropout 0"]),
+        (["--cp-mla-exchange", "latent"],
+         ["--cp-mla-exchange latent applies to multi-latent attention", "drop --cp-mla-exchange"]),
     ],
     ids=["window-looks-ahead", "skip-freq-without-window", "skip-freq-list-length", "window-on-flash",
-         "sink-with-dropout"],
+         "sink-with-dropout", "latent-without-mla"],
 )
 def test_bad_window_flags_name_the_flag(cuda_host, argv, must_name):
     message = _error(argv, 2)
@@ -346,7 +348,8 @@ def test_window_and_sink_flags_reach_megatrons_config():
             "--softmax-type", "learnable"]
     cfg = transformer_config_from_args(parse_args(argv, world_size=1))
     assert cfg.window_size == (16, 0) and cfg.window_attn_skip_freq == [1, 1, 0, 1, 1, 0]
-    assert cfg.softmax_type == "learnable"
+    assert cfg.softmax_type == "learnable" and cfg.cp_mla_exchange == "auto"
+    assert transformer_config_from_args(parse_args(["--cp-mla-exchange", "kv"], world_size=1)).cp_mla_exchange == "kv"
     args = parse_args(["--window-size", "16,-1", "--window-attn-skip-freq", "3"], world_size=1)  # -1: causal bounds it
     assert args.window_size == (16, -1) and args.window_attn_skip_freq == 3
     for bad in (["--window-size", "16"], ["--window-size", "a,b"], ["--window-attn-skip-freq", "[2]"],

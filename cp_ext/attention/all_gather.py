@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from cp_ext.attention.documents import Runs, clip_runs, document_runs, gather_parts
 from cp_ext.attention.kernels import AttnKernel
+from cp_ext.attention.kv_message import PairedKV
 from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
 from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
 from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
@@ -92,35 +93,40 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def _gather_kv(k: torch.Tensor, v: Optional[torch.Tensor], group) -> torch.Tensor:
     """Every rank's K/V, rank after rank: ``[C*s, b, hk, d_qk + d_v]`` (sequence first, k and v side
-    by side, so the all-gather writes it in place and the kernel views need no copy)."""
+    by side, so the all-gather writes it in place and the kernel views need no copy); with v None,
+    k is MLA's latent ``[b, 1, s, r + p]`` (`cp_ext.attention.kv_message.LatentKV`), gathered alone."""
     size, rank, s = dist.get_world_size(group), dist.get_rank(group), k.shape[2]
-    gathered = k.new_empty((size * s,) + k.shape[:2] + (k.shape[3] + v.shape[3],))
+    width = k.shape[3] + (0 if v is None else v.shape[3])
+    gathered = k.new_empty((size * s,) + k.shape[:2] + (width,))
     mine = gathered[rank * s : (rank + 1) * s]  # this rank's K/V go straight into their slot:
     mine[..., : k.shape[3]].copy_(k.permute(2, 0, 1, 3))  # an in-place all-gather, no local staging copy
-    mine[..., k.shape[3]:].copy_(v.permute(2, 0, 1, 3))
+    if v is not None:
+        mine[..., k.shape[3]:].copy_(v.permute(2, 0, 1, 3))
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("all_gather_kv", mine.nbytes * (size - 1))
     _all_gather_single(gathered, mine, group=group)
     return gathered
 
 
-def _kernel_views(kv_rows: torch.Tensor, d_qk: int):
-    """Rows of the gathered ``[n, b, hk, d_qk + d_v]`` K/V as kernel-layout [b, hk, n, d] views (k, v)."""
-    return kv_rows[..., :d_qk].permute(1, 2, 0, 3), kv_rows[..., d_qk:].permute(1, 2, 0, 3)
+def _kernel_view(rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``[n, b, hk, D]`` of the gathered messages (or their gradient) in kernel layout [b, hk, n, D]."""
+    return rows.permute(1, 2, 0, 3)
 
 
 def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group, plan: AllGatherPlan,
-                            kernel: AttnKernel, softmax_offset=None, **_):
-    """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32), finished."""
+                            kernel: AttnKernel, softmax_offset=None, message=None, **_):
+    """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32), finished.
+    ``message``: what is gathered (`cp_ext.attention.kv_message`; with `LatentKV`, k is the latent, v None)."""
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
+    message = message or PairedKV(q.shape[-1], v.shape[-1])
+    out = torch.zeros(q.shape[:3] + (message.d_v,), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = _gather_kv(k, v, group)
     plan.count()
     for rows, cols, blocks in plan.tiles:
-        kb, vb = _kernel_views(kv[cols], q.shape[-1])
+        kb, vb = message.unpack(_kernel_view(kv[cols]))
         o, l = kernel.forward_blocks(q[:, :, rows], kb, vb, blocks, scale=softmax_scale)
         update_out_and_lse(out, lse, o, l, rows)
         del o, l
@@ -129,19 +135,21 @@ def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, grou
 
 
 def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, group,
-                             plan: AllGatherPlan, kernel: AttnKernel, **_):
-    """dq, dk, dv of `all_gather_attn_forward` (K/V gathered again, dK/dV reduce-scattered)."""
-    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
+                             plan: AllGatherPlan, kernel: AttnKernel, message=None, **_):
+    """dq, dk, dv of `all_gather_attn_forward` (K/V gathered again, dK/dV reduce-scattered); with a
+    `LatentKV` ``message`` (dq, d latent, None), the message holding this rank's share of d W_up."""
+    acc = accum_dtype(q.dtype)
+    message = message or PairedKV(q.shape[-1], v.shape[-1])
     kv = _gather_kv(k, v, group)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [C*s, b, hk, d_qk + d_v], rank order
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # [C*s, b, hk, D], rank order
     for rows, cols, blocks in plan.tiles:
-        kb, vb = _kernel_views(kv[cols], d_qk)
+        kv_rows = _kernel_view(kv[cols])
+        kb, vb = message.unpack(kv_rows)
         dq_t, dk_t, dv_t = kernel.backward_blocks(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
                                                   lse[:, :, rows], blocks, scale=softmax_scale)
         dq[:, :, rows] += dq_t
-        dkv[cols, ..., :d_qk] += dk_t.permute(2, 0, 1, 3)
-        dkv[cols, ..., d_qk:] += dv_t.permute(2, 0, 1, 3)
+        message.add_grad(_kernel_view(dkv[cols]), slice(None), dk_t, dv_t, kv_rows)
         del dq_t, dk_t, dv_t  # before the next tile's kernel call allocates its own
     del kv
     # Rank i's rows of dK/dV, summed over the ranks, land on rank i: already in rank order.
@@ -149,5 +157,4 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, c
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("reduce_scatter_dkv", mine.nbytes * (dist.get_world_size(group) - 1))
     _reduce_scatter_single(mine, dkv, group=group)
-    to_kernel = lambda x, like: x.permute(1, 2, 0, 3).to(like.dtype)  # [s, b, hk, d] -> [b, hk, s, d]
-    return dq.to(q.dtype), to_kernel(mine[..., :d_qk], k), to_kernel(mine[..., d_qk:], v)
+    return (dq.to(q.dtype),) + message.grads(_kernel_view(mine), k, v)

@@ -21,7 +21,8 @@ LSE and calls the same backward later. The public functions differ only in the g
 All take ``window_size=None`` ((left, right), -1 unbounded; causal is right = 0),
 ``softmax_offset=None`` (``[h]`` sink logits, one per local head; its gradient is this rank's
 share, from its queries: the DP x CP reduction sums the shares), ``document_ids=None``, and a v
-whose head dim may differ from q/k's (MLA).
+whose head dim may differ from q/k's (MLA). The ring and all-gather (and the local call) also take
+``up_weight``: MLA's latent exchange, k the latent and v None (`cp_ext.attention.kv_message`).
 """
 
 from typing import Optional
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from cp_ext.attention.all_gather import AllGatherPlan, all_gather_attn_backward, all_gather_attn_forward
 from cp_ext.attention.documents import check_document_ids, document_runs, gather_document_ids
 from cp_ext.attention.kernels import get_kernel
+from cp_ext.attention.kv_message import LatentKV, PairedKV
 from cp_ext.attention.masks import make_window, plan_tile
 from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
 from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads
@@ -39,12 +41,23 @@ from cp_ext.attention.utils import accum_dtype, add_sink, sink_grad
 from cp_ext.data.sharding import LAYOUTS
 
 
-def _check_inputs(q, k, v, softmax_offset):
+def _check_inputs(q, k, v, softmax_offset, up_weight=None):
+    if up_weight is not None:  # MLA's latent exchange: k is the latent [s, b, r + p], v None
+        if v is not None or q.dim() != 4 or k.dim() != 3 or k.shape[:2] != q.shape[:2]:
+            raise ValueError(f"the latent exchange takes q [s, b, h, d_qk] and latent [s, b, kv_lora_rank + "
+                             f"qk_pos_emb_head_dim] (v None), got q {tuple(q.shape)}, latent {tuple(k.shape)}, "
+                             f"v {None if v is None else tuple(v.shape)}")
+        _check_offset(q, softmax_offset)
+        return
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"expected [s, b, h, d] q and [s, b, hk, d] k, v (v may have its own head dim), got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on sequence, batch or head dim")
+    _check_offset(q, softmax_offset)
+
+
+def _check_offset(q, softmax_offset):
     if softmax_offset is not None and (not isinstance(softmax_offset, torch.Tensor) or softmax_offset.dim() != 1
                                        or softmax_offset.shape[0] != q.shape[2]
                                        or not softmax_offset.dtype.is_floating_point):
@@ -57,13 +70,21 @@ class _Plan:
     """What forward and backward share: the groups, the kernel, KV replicas, the core's tiles."""
 
     def __init__(self, q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout, kernel,
-                 document_ids, comm_type, window_size, all_gather_group=None, positions=None):
+                 document_ids, comm_type, window_size, all_gather_group=None, positions=None, up_weight=None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
         make_window(window_size, causal)  # a malformed window fails here, before any exchange
         self.causal, self.layout, self.window_size = causal, layout, window_size
         self.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        self.kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+        # What the core moves (cp_ext.attention.kv_message): K/V, or MLA's latent with its up-projection.
+        if up_weight is None:
+            self.message = PairedKV(q.shape[-1], v.shape[-1])
+        else:
+            self.message = LatentKV(up_weight, q.shape[2], q.shape[3], k.shape[-1])
+            if comm_type != "all_gather" and _size(ulysses_group) > 1:
+                raise ValueError("the latent exchange runs on the ring and all-gather: Ulysses exchanges heads, "
+                                 "which the latent does not have (--cp-mla-exchange kv on a2a / a2a+p2p)")
+        self.kernel = get_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], v_head_dim=self.message.d_v,
                                  window=window_size is not None)
         self.ring_group, self.all_gather, self.schedule, self.blocks = ring_group, None, None, None
         if document_ids is not None:
@@ -75,7 +96,7 @@ class _Plan:
             return
         self.ulysses_group = None if _size(ulysses_group) == 1 else ulysses_group
         size, rank = _size(ulysses_group), _rank(ulysses_group)
-        self.rep = kv_replicas(q.shape[2], k.shape[2], size)
+        self.rep = 1 if up_weight is not None else kv_replicas(q.shape[2], k.shape[2], size)
         per = q.shape[2] // size
         self.heads = slice(rank * per, (rank + 1) * per)  # this rank's query heads after the exchange
         ids = document_ids if document_ids is None or size == 1 else gather_document_ids(document_ids, ulysses_group)
@@ -101,27 +122,48 @@ class _Plan:
         return heads_to_seq(x, self.ulysses_group) if self.ulysses_group is not None else x
 
     def core_forward(self, qh, kh, vh, offset):
-        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel, softmax_offset=offset)
+        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel, softmax_offset=offset,
+                  message=self.message)
         if self.all_gather is not None:
             return all_gather_attn_forward(qh, kh, vh, **kw, **self.all_gather)
         if self.schedule is not None:
             return ring_attn_forward(qh, kh, vh, group=self.ring_group, layout=self.layout, schedule=self.schedule,
                                      window_size=self.window_size, **kw)
-        out, lse = self.kernel.forward_blocks(qh, kh, vh, self.blocks, scale=self.scale)
+        out, lse = self.kernel.forward_blocks(qh, *self.message.unpack(self.message.pack(kh, vh)), self.blocks,
+                                              scale=self.scale)
         out, lse = add_sink(out.to(accum_dtype(qh.dtype)) if offset is not None else out, lse, offset)
         return out.to(qh.dtype), lse
 
     def core_backward(self, douth, qh, kh, vh, outh, lse):
-        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel)
+        kw = dict(softmax_scale=self.scale, causal=self.causal, kernel=self.kernel, message=self.message)
         if self.all_gather is not None:
             return all_gather_attn_backward(douth, qh, kh, vh, outh, lse, **kw, **self.all_gather)
         if self.schedule is not None:
             return ring_attn_backward(douth, qh, kh, vh, outh, lse, group=self.ring_group, layout=self.layout,
                                       schedule=self.schedule, window_size=self.window_size, **kw)
-        dq, dk, dv = self.kernel.backward_blocks(douth, qh, kh, vh, outh, lse, self.blocks, scale=self.scale)
-        return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)
+        msg = self.message.pack(kh, vh)
+        dq, dk, dv = self.kernel.backward_blocks(douth, qh, *self.message.unpack(msg), outh, lse, self.blocks,
+                                                 scale=self.scale)
+        if isinstance(self.message, PairedKV):
+            return dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)
+        dmsg = torch.zeros(msg.shape, dtype=accum_dtype(msg.dtype), device=msg.device)
+        self.message.add_grad(dmsg, slice(None), dk, dv, msg)
+        return (dq.to(qh.dtype),) + self.message.grads(dmsg, kh)
+
+    def kv_to_heads(self, k, v):
+        """k, v (or MLA's latent [s, b, r + p] and None) in the core's layout."""
+        if v is None:
+            return self.to_heads(k.unsqueeze(2)), None
+        return self.to_heads(k, self.rep), self.to_heads(v, self.rep)
+
+    def weight_grad(self, up_weight):
+        """The latent exchange's share of d W_up on this rank (None for K/V)."""
+        grad = getattr(self.message, "weight_grad", None)
+        return None if up_weight is None or grad is None else grad.to(up_weight.dtype)
 
     def grads_to_seq(self, dqh, dkh, dvh, dtypes):
+        if dvh is None:  # the latent's gradient [b, 1, s, r + p] -> [s, b, r + p]
+            return self.from_heads(dqh.to(dtypes[0])), self.from_heads(dkh.to(dtypes[1])).squeeze(2), None
         dq, dk, dv = (self.from_heads(g.to(dt)) for g, dt in zip((dqh, dkh, dvh), dtypes))
         if self.rep > 1:  # the replicas' gradients sum back onto their KV head
             dk, dv = (g.unflatten(2, (g.shape[2] // self.rep, self.rep)).sum(3) for g in (dk, dv))
@@ -140,68 +182,73 @@ class _Plan:
 
 def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout="zigzag", kernel=None,
                          document_ids=None, comm_type=None, window_size=None, softmax_offset=None,
-                         all_gather_group=None, positions=None):
+                         all_gather_group=None, positions=None, up_weight=None):
     """The forward with no autograd, on [s, b, h, d] shards: ``(out, lse, plan)``.
 
     ``out`` is the local output shard [s, b, h, d_v]; ``lse`` the finished fp32 log-sum-exp of this
     rank's heads over the whole sequence, [b, h/U, U*s] ([b, h, s] for all_gather); ``plan`` what
     the backward reuses. Together with q, k, v that is all `cp_attention_backward` needs.
+    With ``up_weight`` (MLA's ``linear_kv_up_proj.weight``), k is the latent [s, b, r + p] and v None.
     """
-    _check_inputs(q, k, v, softmax_offset)
+    _check_inputs(q, k, v, softmax_offset, up_weight)
     with torch.no_grad():
         plan = _Plan(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
                      ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids,
                      comm_type=comm_type, window_size=window_size, all_gather_group=all_gather_group,
-                     positions=positions)
-        outh, lse = plan.core_forward(plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep),
-                                      plan.my_offset(softmax_offset))
+                     positions=positions, up_weight=up_weight)
+        outh, lse = plan.core_forward(plan.to_heads(q), *plan.kv_to_heads(k, v), plan.my_offset(softmax_offset))
         return plan.from_heads(outh), lse, plan
 
 
-def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None):
-    """(dq, dk, dv, d_offset or None) of `cp_attention_forward` from its (out, lse, plan); all [s, b, h, d].
+def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None, up_weight=None):
+    """(dq, dk, dv, d_offset or None, d_up_weight or None) of `cp_attention_forward` from its
+    (out, lse, plan); all [s, b, h, d] (the latent exchange: dk the latent's gradient, dv None).
 
     With U > 1 the head layout of q, k, v, out and dout is rebuilt here by all-to-all (the
     forward's exchange, once more); the core moves K/V and dK/dV as its forward did."""
     with torch.no_grad():
-        qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
+        qh, (kh, vh) = plan.to_heads(q), plan.kv_to_heads(k, v)
         outh, douth = plan.to_heads(out), plan.to_heads(dout)
-        grads = plan.grads_to_seq(*plan.core_backward(douth, qh, kh, vh, outh, lse), (q.dtype, k.dtype, v.dtype))
+        grads = plan.grads_to_seq(*plan.core_backward(douth, qh, kh, vh, outh, lse), (q.dtype, k.dtype, _dtype(v)))
         d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, softmax_offset)
-        return grads + (d_offset,)
+        return grads + (d_offset, plan.weight_grad(up_weight))
 
 
 class CPAttnFunc(torch.autograd.Function):
     """Autograd over the whole dispatcher; keeps the head-layout q, k, v, out for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_offset, args):
-        _check_inputs(q, k, v, softmax_offset)
-        plan = _Plan(q, k, v, **args)
-        qh, kh, vh = plan.to_heads(q), plan.to_heads(k, plan.rep), plan.to_heads(v, plan.rep)
+    def forward(ctx, q, k, v, softmax_offset, up_weight, args):
+        _check_inputs(q, k, v, softmax_offset, up_weight)
+        plan = _Plan(q, k, v, up_weight=up_weight, **args)
+        qh, (kh, vh) = plan.to_heads(q), plan.kv_to_heads(k, v)
         outh, lse = plan.core_forward(qh, kh, vh, plan.my_offset(softmax_offset))
-        ctx.save_for_backward(qh, kh, vh, outh, lse, softmax_offset)
-        ctx.plan, ctx.dtypes = plan, (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(qh, kh, vh, outh, lse, softmax_offset, up_weight)
+        ctx.plan, ctx.dtypes = plan, (q.dtype, k.dtype, _dtype(v))
         return plan.from_heads(outh)
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, outh, lse, softmax_offset = ctx.saved_tensors
+        qh, kh, vh, outh, lse, softmax_offset, up_weight = ctx.saved_tensors
         plan = ctx.plan
         douth = plan.to_heads(dout)
         dqh, dkh, dvh = plan.core_backward(douth, qh, kh, vh, outh, lse)
         dq, dk, dv = plan.grads_to_seq(dqh, dkh, dvh, ctx.dtypes)
         d_offset = None if softmax_offset is None else plan.offset_grad(douth, outh, lse, softmax_offset)
-        return dq, dk, dv, d_offset, None
+        return dq, dk, dv, d_offset, plan.weight_grad(up_weight), None
 
 
-def _attention(q, k, v, softmax_offset, **args):
-    return CPAttnFunc.apply(q, k, v, softmax_offset, args)
+def _attention(q, k, v, softmax_offset, up_weight=None, **args):
+    return CPAttnFunc.apply(q, k, v, softmax_offset, up_weight, args)
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
 
 
 def hybrid_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, ulysses_group=None,
                      ring_group=None, layout: str = "zigzag", kernel: Optional[str] = None, document_ids=None,
-                     window_size=None, softmax_offset=None) -> torch.Tensor:
+                     window_size=None, softmax_offset=None, up_weight=None) -> torch.Tensor:
     """Exact attention over a sequence sharded over Ulysses x ring groups (`cp_ext.attention.dispatch`'s
     layout: the ring shards the sequence, each ring shard is cut into U consecutive pieces).
 
@@ -209,19 +256,26 @@ def hybrid_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = 
     with h % hk == 0 (hk < U: KV heads are replicated). Groups None: `cp_ext.parallel_state`'s.
     Returns the local output shard ``[s, b, h, d_v]`` in q's dtype; differentiable in q, k, v and
     ``softmax_offset``.
+
+    MLA's latent exchange (ring and all-gather, U = 1): ``up_weight`` is ``linear_kv_up_proj.weight``
+    ``[h (d_nope + d_v), kv_lora_rank]``, k the latent ``[s, b, kv_lora_rank + qk_pos_emb_head_dim]``
+    (normalised c, then the roped shared key) and v None; the latent travels, each block is
+    up-projected where it is used (`cp_ext.attention.kv_message.LatentKV`), and ``up_weight`` gets
+    this rank's share of its gradient.
     """
     if ulysses_group is None or ring_group is None:
         from cp_ext import parallel_state
 
         ulysses_group = parallel_state.get_ulysses_group() if ulysses_group is None else ulysses_group
         ring_group = parallel_state.get_ring_group() if ring_group is None else ring_group
-    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
-                      ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids, comm_type=None,
-                      window_size=window_size)
+    return _attention(q, k, v, softmax_offset, up_weight, causal=causal, softmax_scale=softmax_scale,
+                      ulysses_group=ulysses_group, ring_group=ring_group, layout=layout, kernel=kernel,
+                      document_ids=document_ids, comm_type=None, window_size=window_size)
 
 
 def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None, layout="zigzag",
-                   kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None):
+                   kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None,
+                   up_weight=None):
     """Ring attention over ``group`` (None: `cp_ext.parallel_state.get_ring_group()`), zigzag or
     contiguous shards (`cp_ext.attention.ring`); arguments as `hybrid_attention`."""
     if group is None:
@@ -230,7 +284,7 @@ def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
         group = parallel_state.get_ring_group()
     return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP, ring_group=group,
                             layout=layout, kernel=kernel, document_ids=document_ids, window_size=window_size,
-                            softmax_offset=softmax_offset)
+                            softmax_offset=softmax_offset, up_weight=up_weight)
 
 
 def ulysses_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None,
@@ -248,34 +302,34 @@ def ulysses_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] =
 
 def all_gather_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None,
                          layout: str = "zigzag", positions=None, kernel: Optional[str] = None, document_ids=None,
-                         window_size=None, softmax_offset=None):
+                         window_size=None, softmax_offset=None, up_weight=None):
     """K/V all-gathered over ``group`` (None: megatron's CP group), this rank holding ``positions``
     (default: ``layout`` over ``group``) (`cp_ext.attention.all_gather`); arguments as `hybrid_attention`."""
     if group is None:
         from megatron.core import parallel_state as mpu
 
         group = mpu.get_context_parallel_group()
-    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=None,
-                      ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
+    return _attention(q, k, v, softmax_offset, up_weight, causal=causal, softmax_scale=softmax_scale,
+                      ulysses_group=None, ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
                       comm_type="all_gather", window_size=window_size, all_gather_group=group, positions=positions)
 
 
 def context_parallel_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, layout="zigzag",
                                kernel: Optional[str] = None, document_ids=None, comm_type: Optional[str] = None,
-                               window_size=None, softmax_offset=None) -> torch.Tensor:
+                               window_size=None, softmax_offset=None, up_weight=None) -> torch.Tensor:
     """The model's CP attention on the groups of `cp_ext.parallel_state` (local ``[s, b, h, d]``
     shards, per `get_context_parallel_positions`): ring (U = 1), Ulysses (R = 1) or the hybrid;
     with ``comm_type="all_gather"``, K/V all-gathered over the whole CP group on the same layout."""
     from cp_ext import parallel_state
 
     if comm_type == "all_gather":
-        return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=None,
-                          ring_group=None, layout=layout, kernel=kernel, document_ids=document_ids,
-                          comm_type="all_gather", window_size=window_size)
+        return _attention(q, k, v, softmax_offset, up_weight, causal=causal, softmax_scale=softmax_scale,
+                          ulysses_group=None, ring_group=None, layout=layout, kernel=kernel,
+                          document_ids=document_ids, comm_type="all_gather", window_size=window_size)
     return hybrid_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, kernel=kernel,
                             document_ids=document_ids, ulysses_group=parallel_state.get_ulysses_group(),
                             ring_group=parallel_state.get_ring_group(), window_size=window_size,
-                            softmax_offset=softmax_offset)
+                            softmax_offset=softmax_offset, up_weight=up_weight)
 
 
 NO_GROUP = object()  # the absent level of the hybrid (ring_attention has no Ulysses group, ulysses_attention no ring)
@@ -313,8 +367,8 @@ def _all_gather_layout(q, layout, group, positions):
 
 
 def local_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, kernel: Optional[str] = None,
-                    document_ids=None, window_size=None, softmax_offset=None) -> torch.Tensor:
+                    document_ids=None, window_size=None, softmax_offset=None, up_weight=None) -> torch.Tensor:
     """Attention on one rank (CP = 1) through the same kernels, masks and sink; as `hybrid_attention`."""
-    return _attention(q, k, v, softmax_offset, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP,
+    return _attention(q, k, v, softmax_offset, up_weight, causal=causal, softmax_scale=softmax_scale, ulysses_group=NO_GROUP,
                       ring_group=NO_GROUP, layout="contiguous", kernel=kernel, document_ids=document_ids, comm_type=None,
                       window_size=window_size)

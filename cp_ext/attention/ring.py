@@ -51,7 +51,8 @@ and goes home from its last reader in one direct message, instead of the rest of
 ring sub-group after its all-to-all. The public [s, b, h, d] ``ring_attention`` and the autograd
 Function live in the dispatcher (`cp_ext.attention.dispatch`). A window plans its tiles like
 documents do (`cp_ext.attention.masks`); a sink is added by ``ring_attn_forward``'s finish step;
-k and v may have different head dims (the message then puts them side by side, `pack_kv`).
+what travels is a message (`cp_ext.attention.kv_message`): k and v (side by side when their head
+dims differ), or MLA's latent, up-projected on each rank that computes with the block.
 """
 
 import functools
@@ -62,6 +63,7 @@ import torch.distributed as dist
 
 from cp_ext.attention.documents import all_document_runs, check_document_ids
 from cp_ext.attention.kernels import AttnKernel, get_kernel
+from cp_ext.attention.kv_message import PairedKV
 from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
 from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
 from cp_ext.data.sharding import LAYOUTS, check_seq_len, context_parallel_positions
@@ -133,19 +135,13 @@ def _count(blocks):
         WORK_COUNTER.add("pairs", sum(b.pairs() for b in blocks))
 
 
-def pack_kv(k, v):
-    """One message per ring step: k and v stacked ([2, b, hk, s, d]), or side by side on the last
-    dim when their head dims differ (MLA: [b, hk, s, d_qk + d_v])."""
-    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k, v], dim=-1)
-
-
-def unpack_kv(kv, d_qk):
-    return (kv[0], kv[1]) if kv.dim() == 5 else (kv[..., :d_qk], kv[..., d_qk:])
-
-
 def _check_local(q, k, v, size, layout):
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if v is None:  # k is MLA's latent message [b, 1, s, r + p] (`cp_ext.attention.kv_message.LatentKV`)
+        if k.dim() != 4 or k.shape[1] != 1 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+            raise ValueError(f"expected the latent [b, 1, s, r + p] beside q {tuple(q.shape)}, got {tuple(k.shape)}")
+        return
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"expected 4-d q, k, v with k and v of one [b, hk, s], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -164,27 +160,29 @@ def _check_local(q, k, v, size, layout):
 def ring_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group: Optional[dist.ProcessGroup],
                       layout: str = "zigzag", kernel: Optional[AttnKernel] = None,
                       document_ids: Optional[torch.Tensor] = None, schedule: Optional[RingSchedule] = None,
-                      window_size=None, softmax_offset: Optional[torch.Tensor] = None):
+                      window_size=None, softmax_offset: Optional[torch.Tensor] = None, message=None):
     """Forward over the ring on local shards q [b, h, s, d], k [b, hk, s, d], v [b, hk, s, d_v].
 
     ``document_ids`` [b, s]: this rank's document ids (packed documents), or None; ``window_size``
     (left, right) as in `cp_ext.attention.masks`; ``softmax_offset`` [h]: the sink logits of these
-    heads, added in the finish step (`cp_ext.attention.utils.add_sink`).
+    heads, added in the finish step (`cp_ext.attention.utils.add_sink`); ``message``: what travels
+    (`cp_ext.attention.kv_message`; default the K/V pair; with `LatentKV`, k is MLA's latent and v None).
     Returns (out [b, h, s, d_v] in q.dtype, lse [b, h, s] in fp32 / fp64 for fp64 inputs), finished.
     """
     comm = RingComm(group)
     _check_local(q, k, v, comm.world_size, layout)
-    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+    message = message or PairedKV(q.shape[-1], v.shape[-1])
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=message.d_v,
                                   window=window_size is not None)
-    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
+    acc = accum_dtype(q.dtype)
     s = q.shape[2]
     if schedule is None:
         if document_ids is not None:
             check_document_ids(document_ids, q.shape[0], s, q.device)
         schedule = RingSchedule(comm.rank, comm.world_size, s, causal, layout, group, document_ids, window_size)
-    out = torch.zeros(q.shape[:3] + v.shape[-1:], dtype=acc, device=q.device)
+    out = torch.zeros(q.shape[:3] + (message.d_v,), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    kv = pack_kv(k, v)  # one message per step; KV keeps its own (GQA) head count
+    kv = message.pack(k, v)  # one message per step; KV keeps its own (GQA) head count
     shape = kv.shape  # of every block: a receive buffer while this rank holds none
     for step in range(schedule.num_steps):
         send, recv = schedule.passes_on(step), schedule.holds(step + 1)
@@ -194,9 +192,8 @@ def ring_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group: Opt
         if tile is not None:
             rows, cols, blocks = tile
             _count(blocks)
-            kb, vb = unpack_kv(kv, d_qk)
-            block_out, block_lse = kernel.forward_blocks(q[:, :, rows], kb[:, :, cols], vb[:, :, cols], blocks,
-                                                         scale=softmax_scale)
+            kb, vb = message.unpack(kv, cols)
+            block_out, block_lse = kernel.forward_blocks(q[:, :, rows], kb, vb, blocks, scale=softmax_scale)
             update_out_and_lse(out, lse, block_out, block_lse, rows)
         if send or recv:
             comm.wait()
@@ -208,22 +205,24 @@ def ring_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group: Opt
 def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool,
                        group: Optional[dist.ProcessGroup], layout: str = "zigzag", kernel: Optional[AttnKernel] = None,
                        document_ids: Optional[torch.Tensor] = None, schedule: Optional[RingSchedule] = None,
-                       window_size=None, **_):
+                       window_size=None, message=None, **_):
     """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned (finished:
     a sink needs nothing more here; its own gradient is `cp_ext.attention.utils.sink_grad`).
 
-    Returns (dq, dk, dv) in the dtypes and shapes of (q, k, v).
+    Returns (dq, dk, dv) in the dtypes and shapes of (q, k, v); with a `LatentKV` ``message``
+    (dq, d latent, None), and the message holds this rank's share of the up-projection's gradient.
     """
     kv_comm, dkv_comm = RingComm(group), RingComm(group)
     size, rank = kv_comm.world_size, kv_comm.rank
-    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+    message = message or PairedKV(q.shape[-1], v.shape[-1])
+    kernel = kernel or get_kernel(q.device, q.dtype, head_dim=q.shape[-1], v_head_dim=message.d_v,
                                   window=window_size is not None)
-    acc, d_qk = accum_dtype(q.dtype), q.shape[-1]
+    acc = accum_dtype(q.dtype)
     s = q.shape[2]
     if schedule is None:
         schedule = RingSchedule(rank, size, s, causal, layout, group, document_ids, window_size)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = pack_kv(k, v)
+    kv = message.pack(k, v)
     shape = kv.shape  # of every block and accumulator
     block = lambda dtype: torch.empty(shape, dtype=dtype, device=q.device)  # a receive buffer
     dkv = next_dkv = own = None
@@ -236,9 +235,9 @@ def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         tile = schedule.tile(step)
         if tile is not None:
             rows, cols, blocks = tile
-            kb, vb = unpack_kv(kv, d_qk)
-            dq_s, dk_s, dv_s = kernel.backward_blocks(dout[:, :, rows], q[:, :, rows], kb[:, :, cols], vb[:, :, cols],
-                                                      out[:, :, rows], lse[:, :, rows], blocks, scale=softmax_scale)
+            kb, vb = message.unpack(kv, cols)
+            dq_s, dk_s, dv_s = kernel.backward_blocks(dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows],
+                                                      lse[:, :, rows], blocks, scale=softmax_scale)
             dq[:, :, rows].add_(dq_s)
         # dK/dV accumulator of block `src`: started here at step 0, received from rank-1 after.
         if step == 0:
@@ -247,9 +246,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             dkv_comm.wait()
             dkv = next_dkv
         if tile is not None:
-            dk_acc, dv_acc = unpack_kv(dkv, d_qk)
-            dk_acc[:, :, cols].add_(dk_s)
-            dv_acc[:, :, cols].add_(dv_s)
+            message.add_grad(dkv, cols, dk_s, dv_s, kv)
         if dkv is not None and not send:  # no rank after this one reads block `src`
             if step == 0:
                 own = dkv  # nobody else reads this rank's own block: its dK/dV is complete
@@ -272,8 +269,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         received = _send_home(group, ended, back_from, block(acc) if back_from > 0 else None)
         if back_from > 0:
             own = received
-    dk, dv = unpack_kv(own, d_qk)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (dq.to(q.dtype),) + message.grads(own, k, v)
 
 
 def _send_home(group, ended, back_from, buf):

@@ -192,7 +192,7 @@ class Generator:
             if prefilled:
                 logits = self._prefill(ids[:prefilled])
             else:
-                cache.start_empty(self.config, self.device)
+                cache.start_empty()
             cache.decoding = True
             result.prefill_seconds = time.perf_counter() - start
             start = time.perf_counter()

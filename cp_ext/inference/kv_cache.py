@@ -24,6 +24,12 @@ cached key, so there is no mask)::
        (`cp_ext.attention.utils.update_out_and_lse`, training's ring merge)
     5. all-gather the head slices over the Ulysses group          -> out for all heads
 
+A multi-latent attention layer under the latent exchange (``--cp-mla-exchange latent``,
+`cp_ext.transformer.mla`) caches the latent ``[c | k_pe]`` (kv_lora_rank + qk_pos_emb_head_dim per
+token, one "head") instead of every head's K/V, and decodes with the up-projection absorbed into
+the query and the output (`cp_ext.attention.kv_message.LatentKV.absorb_query`): 576 values per
+token and layer instead of 128 x (192 + 128) = 40,960 at DeepSeek-V3 size.
+
 Per decoded token and layer a rank sends (and receives) (R-1) x b x h/U x (d+1) fp32 values in its
 ring and (U-1) x b x h/U x d in its Ulysses group (`decode_bytes_per_token_layer`; counted as
 ``decode_ring_gather`` / ``decode_ulysses_gather`` by `cp_ext.perf.counter`).
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.kernels import get_kernel
+from cp_ext.attention.kv_message import LatentKV
 from cp_ext.attention.ulysses import kv_replicas, seq_to_heads
 from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
 from cp_ext.data.sharding import context_parallel_positions
@@ -50,30 +57,40 @@ def decode_bytes_per_token_layer(batch, heads, head_dim, ulysses, ring, itemsize
 
 class LayerKVCache:
     """One layer's keys [b, hk', capacity, d] and values [.., d_v] on this rank, filled to ``length``,
-    and the global position of each cached token (a sliding window selects by it)."""
+    and the global position of each cached token (a sliding window selects by it). Values None: the
+    keys are MLA latents [b, 1, capacity, r + p], which serve as values too."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, positions: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: Optional[torch.Tensor], room: int, positions: torch.Tensor):
         b, hk, s, d = keys.shape
         self.keys = keys.new_empty(b, hk, s + room, d)
-        self.values = values.new_empty(b, hk, s + room, values.shape[-1])
+        self.values = None if values is None else values.new_empty(b, hk, s + room, values.shape[-1])
         self.positions = torch.empty(s + room, dtype=torch.long, device=keys.device)
-        self.keys[:, :, :s], self.values[:, :, :s], self.positions[:s] = keys, values, positions
+        self.keys[:, :, :s], self.positions[:s] = keys, positions
+        if values is not None:
+            self.values[:, :, :s] = values
         self.length = s
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
+    def append(self, k: torch.Tensor, v: Optional[torch.Tensor], position: int) -> None:
         if self.length == self.keys.shape[2]:
             raise RuntimeError("KV cache full: more tokens than the generation asked room for")
-        self.keys[:, :, self.length], self.values[:, :, self.length] = k, v
+        self.keys[:, :, self.length] = k
+        if v is not None:
+            self.values[:, :, self.length] = v
         self.positions[self.length] = position
         self.length += 1
 
     def view(self, since: Optional[int] = None):
-        """Keys, values (of the tokens at positions >= ``since``, all without it)."""
-        keys, values = self.keys[:, :, :self.length], self.values[:, :, :self.length]
+        """Keys, values (of the tokens at positions >= ``since``, all without it); values None for latents."""
+        keys = self.keys[:, :, :self.length]
+        values = None if self.values is None else self.values[:, :, :self.length]
         if since is None:
             return keys, values
         keep = (self.positions[:self.length] >= since).nonzero().squeeze(1)
-        return keys.index_select(2, keep), values.index_select(2, keep)
+        return keys.index_select(2, keep), None if values is None else values.index_select(2, keep)
+
+    def bytes_per_token(self) -> int:
+        row = self.keys[:, :, :1].nelement() + (0 if self.values is None else self.values[:, :, :1].nelement())
+        return row * self.keys.element_size()
 
 
 class ShardedKVCache:
@@ -95,12 +112,15 @@ class ShardedKVCache:
         self.position = 0  # the global position of the token being decoded (set by the generator)
 
     # ------------------------------------------------------------ prefill
-    def store_prefill(self, layer: int, key: torch.Tensor, value: torch.Tensor, num_heads: int) -> None:
-        """Keep this rank's share of a prefill's k, v ([s_local, b, hk, d], after RoPE).
+    def store_prefill(self, layer: int, key: torch.Tensor, value: Optional[torch.Tensor], num_heads: int) -> None:
+        """Keep this rank's share of a prefill's k, v ([s_local, b, hk, d], after RoPE), or of MLA's
+        latent (key [s_local, b, r + p], value None; the latent exchange runs with U = 1).
 
         The Ulysses all-to-all gives this rank its ring shard for its head slice, exactly what
         the attention's own exchange gives it (`cp_ext.attention.dispatch`, `_Plan.to_heads`)."""
-        rep = kv_replicas(num_heads, key.shape[2], self.ulysses_size)
+        if value is None:
+            key = key.unsqueeze(2)  # one "head" of latents
+        rep = 1 if value is None else kv_replicas(num_heads, key.shape[2], self.ulysses_size)
         if rep > 1:
             key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
         to_cache = lambda x: seq_to_heads(x, self.ulysses_group).permute(1, 2, 0, 3)  # -> [b, hk', s_ring, d]
@@ -111,17 +131,19 @@ class ShardedKVCache:
         else:
             positions = context_parallel_positions(ring_shard * self.ring_size, ring_rank=self.ring_rank,
                                                    ring_size=self.ring_size, layout=self.layout, device=key.device)
-        self.layers[layer] = LayerKVCache(to_cache(key).contiguous(), to_cache(value).contiguous(), room, positions)
+        self.layers[layer] = LayerKVCache(to_cache(key).contiguous(),
+                                          None if value is None else to_cache(value).contiguous(), room, positions)
 
-    def start_empty(self, config, device, batch: int = 1) -> None:
-        """Empty caches, for a prompt too short for any CP prefill (every token is decoded)."""
-        tp = config.tensor_model_parallel_size  # this rank's heads
-        heads, kv_heads = config.num_attention_heads // tp, config.num_query_groups // tp
-        kv_here = kv_heads * kv_replicas(heads, kv_heads, self.ulysses_size) // self.ulysses_size
-        empty = torch.empty(batch, kv_here, 0, config.kv_channels, dtype=config.params_dtype, device=device)
-        room = -(-self.room // self.ring_size)
-        none = torch.empty(0, dtype=torch.long, device=device)
-        self.layers = [LayerKVCache(empty, empty, room, none) for _ in self.layers]
+    def start_empty(self) -> None:
+        """Empty caches, for a prompt too short for any CP prefill (every token is decoded): each
+        layer's is made by its first decode step, shaped like what that layer caches."""
+        self.layers = [None] * len(self.layers)
+
+    def _empty_layer(self, k: torch.Tensor, v: Optional[torch.Tensor]) -> LayerKVCache:
+        """An empty cache for rows like ``k`` / ``v`` [b, hk', d] (this rank's share of one token)."""
+        none = torch.empty(0, dtype=torch.long, device=k.device)
+        empty = lambda x: x.new_empty(x.shape[0], x.shape[1], 0, x.shape[2])  # noqa: E731
+        return LayerKVCache(empty(k), None if v is None else empty(v), -(-self.room // self.ring_size), none)
 
     # ------------------------------------------------------------ decode
     def _my_heads(self, x: torch.Tensor, rep: int = 1) -> torch.Tensor:
@@ -131,29 +153,40 @@ class ShardedKVCache:
         n = x.shape[2] // self.ulysses_size
         return x[:, :, self.ulysses_rank * n:(self.ulysses_rank + 1) * n].permute(1, 2, 0, 3)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-               window_size=None, softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], softmax_scale: float,
+               window_size=None, softmax_offset: Optional[torch.Tensor] = None,
+               up_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of one new token (q [1, b, h, d], its k/v [1, b, hk, d_v]; under sequence
         parallelism [TP, ...] identical copies) over the whole sequence so far; returns [1, b, h, d_v],
         the same on every rank of the CP group. ``window_size`` (left, right): only the cached tokens
         at positions >= position - left are seen (each rank selects its own); ``softmax_offset`` [h]:
-        the sink, added once the ring's partial results are merged, as in training."""
+        the sink, added once the ring's partial results are merged, as in training. With
+        ``up_weight`` (MLA's latent exchange) k is the token's latent [1, b, r + p] and v None."""
         copies = q.shape[0]  # > 1 only under sequence parallelism: identical copies of the one token
-        q, k, v = q[:1], k[:1], v[:1]
+        q, k = q[:1], k[:1].unsqueeze(2) if v is None else k[:1]
+        v = None if v is None else v[:1]
+        rep = 1 if v is None else kv_replicas(q.shape[2], k.shape[2], self.ulysses_size)
+        k_mine, v_mine = self._my_heads(k, rep)[:, :, 0], None if v is None else self._my_heads(v, rep)[:, :, 0]
+        if self.layers[layer] is None:  # start_empty: this layer's first token
+            self.layers[layer] = self._empty_layer(k_mine, v_mine)
         cache = self.layers[layer]
-        rep = kv_replicas(q.shape[2], k.shape[2], self.ulysses_size)
         if self.decoded % self.ring_size == self.ring_rank:
-            cache.append(self._my_heads(k, rep)[:, :, 0], self._my_heads(v, rep)[:, :, 0], self.position)
+            cache.append(k_mine, v_mine, self.position)
         q_mine = self._my_heads(q)
         left = None if window_size is None or window_size[0] < 0 else window_size[0]
         keys, values = cache.view(None if left is None else self.position - left)
+        latent = None if up_weight is None else LatentKV(up_weight, q_mine.shape[1], q_mine.shape[-1], keys.shape[-1])
+        if latent is not None:  # the up-projection absorbed: latents are the keys, their c the values
+            q_mine, values = latent.absorb_query(q_mine), keys[..., : latent.rank]
         acc = accum_dtype(q.dtype)
         if keys.shape[2]:
-            kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q.shape[-1], v_head_dim=values.shape[-1])
+            kernel = get_kernel(q.device, q.dtype, self.kernel, head_dim=q_mine.shape[-1], v_head_dim=values.shape[-1])
             out, lse = kernel.forward(q_mine, keys, values, causal=False, scale=softmax_scale)
         else:  # the window holds none of this rank's tokens
             out = q_mine.new_zeros(q_mine.shape[:3] + values.shape[-1:])
             lse = torch.full(q_mine.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        if latent is not None:
+            out = latent.up_project_output(out.to(acc))
         out, lse = self._merge_over_ring(out.to(acc), lse.to(acc))
         if softmax_offset is not None:
             n = q.shape[2] // self.ulysses_size
@@ -189,6 +222,5 @@ class ShardedKVCache:
         return out.permute(2, 0, 1, 3)
 
     def bytes_held(self) -> int:
-        """The cache bytes this rank holds (keys and values, filled part)."""
-        return sum(c.length * (c.keys[:, :, :1].nelement() + c.values[:, :, :1].nelement()) * c.keys.element_size()
-                   for c in self.layers if c)
+        """The cache bytes this rank holds (keys and values, or latents; filled part)."""
+        return sum(c.length * c.bytes_per_token() for c in self.layers if c)

@@ -71,18 +71,28 @@ class RotaryAtContextParallelPositions(torch.nn.Module):
     the rows of its full table (megatron does not slice for ``packed_seq``) at the global positions
     `cp_ext.parallel_state.get_context_parallel_positions` gives this rank, with whatever else it
     returns (YaRN's mscale) unchanged.
+
+    ``decode_position``: a callable giving the global position of the token being decoded (the
+    generation's cache, `cp_ext.inference.kv_cache`), or None while not decoding; then the row of
+    that position is returned, whatever length the one-token forward asks for.
     """
 
     def __init__(self, inner: torch.nn.Module, layout: str = "zigzag"):
         super().__init__()
         self.inner, self.layout = inner, layout
+        self.decode_position = lambda: None
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if packed_seq:
             raise NotImplementedError("cp_ext does not support packed (thd) sequences")
-        out = self.inner(max_seq_len, offset, packed_seq=True)  # the whole table, unsliced
+        position = self.decode_position()
+        length = max_seq_len if position is None else position + 1
+        out = self.inner(length, offset, packed_seq=True)  # the whole table, unsliced
         emb, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-        positions = cp_state.get_context_parallel_positions(max_seq_len, self.layout, device=emb.device)
+        if position is None:
+            positions = cp_state.get_context_parallel_positions(max_seq_len, self.layout, device=emb.device)
+        else:
+            positions = torch.tensor([position], device=emb.device)
         emb = emb.index_select(0, positions)
         return emb if rest is None else (emb, *rest)
 

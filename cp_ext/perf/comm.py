@@ -32,6 +32,11 @@ in the backward (each rank sends its block to the C-1 others), then the full-seq
 (counted at the call sites as a ring implementation of the collective sends them; packed
 documents change none of it: every rank still needs every block).
 
+Multi-latent attention (`cp_ext.transformer.mla`), ``--cp-mla-exchange``: the ring's and the
+all-gather's message per token is ``h (d_qk + d_v)`` values with ``kv`` (k and v side by side,
+d_qk = qk_head_dim + qk_pos_emb_head_dim) and ``kv_lora_rank + qk_pos_emb_head_dim`` with
+``latent``; the same hops and accumulators as above carry it (`mla_exchange_bytes`).
+
 Tensor parallelism, t ranks, per layer (activations [s/C, b, hidden]): with sequence
 parallelism 2 all-gathers + 2 reduce-scatters forward and the same backward, each sends
 (t-1)/t x s/C b hidden e; without it 2 all-reduces forward and 2 backward, each 2(t-1)/t of that.
@@ -110,6 +115,25 @@ def cp_attention_bytes(*, b: int, h: int, hk: int, s: int, d: int, cp: int, ulys
     hk_ring = hk * kv_replicas(h, hk, ulysses) // ulysses if ulysses > 1 else hk
     p2p = ring_bytes(b=b, hk=hk_ring, s_local=s // ring, d=d, ring=ring, dtype=dtype)
     return {"ring_p2p": p2p, "ulysses_a2a": a2a, "all_gather_kv": dict(none), "reduce_scatter_dkv": dict(none)}
+
+
+def mla_exchange_bytes(*, b: int, h: int, s_local: int, qk_head_dim: int, qk_pos_emb_head_dim: int, v_head_dim: int,
+                       kv_lora_rank: int, cp: int, dtype: str, exchange: str,
+                       comm_type: Optional[str] = None) -> Dict[str, Dict[str, int]]:
+    """Bytes per rank by collective of one MLA attention call on a ring (or ``comm_type="all_gather"``)
+    of ``cp`` ranks, with ``exchange`` "kv" or "latent"."""
+    per_token = (h * (qk_head_dim + qk_pos_emb_head_dim + v_head_dim) if exchange == "kv"
+                 else kv_lora_rank + qk_pos_emb_head_dim)
+    e, acc = DTYPE_BYTES[dtype], acc_bytes(dtype)
+    msg, grad = b * s_local * per_token * e, b * s_local * per_token * acc
+    none = {"fwd": 0, "bwd": 0}
+    if cp <= 1:
+        return {"ring_p2p": none, "all_gather_kv": dict(none), "reduce_scatter_dkv": dict(none)}
+    if comm_type == "all_gather":
+        return {"ring_p2p": none, "all_gather_kv": {"fwd": (cp - 1) * msg, "bwd": (cp - 1) * msg},
+                "reduce_scatter_dkv": {"fwd": 0, "bwd": (cp - 1) * grad}}
+    return {"ring_p2p": {"fwd": (cp - 1) * msg, "bwd": (cp - 1) * msg + cp * grad},
+            "all_gather_kv": dict(none), "reduce_scatter_dkv": dict(none)}
 
 
 def tp_layer_bytes(*, b: int, s: int, hidden: int, tp: int, cp: int = 1, sequence_parallel: bool = True,

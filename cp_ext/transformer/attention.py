@@ -67,7 +67,10 @@ class CoreAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
         # k_channels / v_channels: what MLASelfAttention passes (its q/k and v head dims, 192 / 128 at
-        # DeepSeek-V3 size); the attention reads both off the tensors it is given.
+        # DeepSeek-V3 size); the attention reads both off the tensors it is given, except under MLA's
+        # latent exchange, where value is None and key the latent (cp_ext.transformer.mla), and
+        # latent_source (set by the MLA module, a weak reference) gives linear_kv_up_proj.
+        self.v_channels, self.latent_source = v_channels, None
         # --window-size on the layers megatron's is_layer_window_attention selects (1-based global layer
         # numbers, --window-attn-skip-freq: every N-th layer, or a 0/1 list, keeps full attention).
         self.window_size = None
@@ -129,7 +132,8 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
         causal = mask_type == AttnMaskType.causal
         seq, batch, heads, head_dim = query.shape
-        out_dim = heads * value.shape[-1]  # v's head dim (MLA: v_head_dim, not q's)
+        up_weight = None if value is not None else self.latent_source().linear_kv_up_proj.weight
+        out_dim = heads * (self.v_channels if value is None else value.shape[-1])  # v's head dim (MLA: v_head_dim)
         window, offset = self.window_size, self.softmax_offset
         scale = head_dim ** -0.5 if self.softmax_scale is None else float(self.softmax_scale)
         document_ids = _document_ids(attention_mask, batch, seq, query.device)
@@ -139,7 +143,7 @@ class CoreAttention(MegatronModule):
             layer = self.layer_number - 1
             if self.kv_cache.decoding:  # one new token against the CP-sharded cache
                 return self.kv_cache.attend(layer, query, key, value, scale, window_size=window,
-                                            softmax_offset=offset).reshape(seq, batch, out_dim)
+                                            softmax_offset=offset, up_weight=up_weight).reshape(seq, batch, out_dim)
             self.kv_cache.store_prefill(layer, key, value, num_heads=heads)  # then attend as in training
         if getattr(self.config, "cp_aware_recompute", False) and self.training:
             from cp_ext import parallel_state as cp_state
@@ -148,7 +152,7 @@ class CoreAttention(MegatronModule):
                 query, key, value, causal=causal, layout=self.cp_layout,
                 softmax_scale=scale, ulysses_group=cp_state.get_ulysses_group(), ring_group=cp_state.get_ring_group(),
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
-                window_size=window, softmax_offset=offset,
+                window_size=window, softmax_offset=offset, up_weight=up_weight,
             )
             if out is not None:
                 return out.reshape(seq, batch, out_dim)
@@ -160,16 +164,15 @@ class CoreAttention(MegatronModule):
             out = context_parallel_attention(
                 query, key, value, causal=causal, softmax_scale=scale, layout=self.cp_layout,
                 kernel=self.kernel, document_ids=document_ids, comm_type=self.cp_comm_type,
-                window_size=window, softmax_offset=offset,
+                window_size=window, softmax_offset=offset, up_weight=up_weight,
             )
             return out.reshape(seq, batch, out_dim)
         # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         # An explicitly chosen kernel, packed documents (one kernel call per document), a window, a sink
         # or MLA's head dims: cp_ext's own local path (the same kernels and masks as CP > 1), no dropout.
         if (self.kernel not in ("auto", "unfused") or document_ids is not None or window is not None
-                or offset is not None or value.shape[-1] != head_dim):
+                or offset is not None or value is None or value.shape[-1] != head_dim):
             from cp_ext.attention.dispatch import local_attention
 
             if dropout_p:
@@ -178,9 +181,10 @@ class CoreAttention(MegatronModule):
                                              if self.kernel in ("auto", "unfused") else ""))
             out = local_attention(query, key, value, causal=causal, softmax_scale=scale,
                                   kernel=None if self.kernel == "auto" else self.kernel, document_ids=document_ids,
-                                  window_size=window, softmax_offset=offset)
+                                  window_size=window, softmax_offset=offset, up_weight=up_weight)
             return out.reshape(seq, batch, out_dim)
         # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
         # Dropout inside attention acts on head-sharded data: use the TP-rank stream.
         with tensor_parallel.get_cuda_rng_tracker().fork(), math_only:

@@ -1,4 +1,4 @@
-"""megatron's Multi-Latent Attention with its RoPE at cp_ext's CP positions.
+"""megatron's Multi-Latent Attention with its RoPE at cp_ext's CP positions, and the latent exchange.
 
 ``MLASelfAttention`` (DeepSeek-V2/V3) builds its own rotary module for the shared RoPE key
 (``qk_pos_emb_head_dim``, rope or YaRN with mscale) and lets it slice the table with megatron's
@@ -7,12 +7,38 @@ fixed zigzag-over-CP layout. cp_ext's layout depends on the Ulysses x ring split
 RotaryAtContextParallelPositions`): every rank rotates its tokens at their true global
 positions. The core attention seat is cp_ext's `CoreAttention`, which takes MLA's q/k and v head
 dims (192 / 128 at DeepSeek-V3 size) on every CP type.
+
+``--cp-mla-exchange`` (``config.cp_mla_exchange``): with ``kv`` megatron up-projects every token's
+latent to per-head K/V on its own rank, and the ring or all-gather moves those; with ``latent``
+this module hands the core attention q and the latent ``[c | k_pe]`` (kv_layernorm'd c, roped
+k_pe) instead, and the ring or all-gather moves the latent and up-projects each block where it is
+used (`cp_ext.attention.kv_message.LatentKV`): ``kv_lora_rank + qk_pos_emb_head_dim`` values per
+token instead of ``heads x (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)``. ``auto`` takes the
+latent wherever it is exchanged and smaller: CP > 1 on the ring or all-gather (Ulysses exchanges
+heads, which the latent has not), tensor parallelism 1.
 """
 
+import weakref
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from cp_ext.attention_flags import MLA_EXCHANGES
 from cp_ext.models.rope import RotaryAtContextParallelPositions
+
+
+def _decoding_position(core_attention):
+    """In generation's decode steps, the position of the token being decoded (RoPE's row); else None."""
+    cache = core_attention.kv_cache
+    return cache.position if cache is not None and cache.decoding else None
+
+
+def latent_bytes_ratio(heads, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank):
+    """Values per token of the latent over those of the per-head K/V it replaces."""
+    return (kv_lora_rank + qk_pos_emb_head_dim) / (heads * (qk_head_dim + qk_pos_emb_head_dim + v_head_dim))
 
 
 class ContextParallelMLASelfAttention(MLASelfAttention):
@@ -22,3 +48,57 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
                          pg_collection=pg_collection)
         self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb,
                                                                layout=getattr(config, "cp_layout", "zigzag"))
+        self.exchange = getattr(config, "cp_mla_exchange", "auto")
+        if self.exchange not in MLA_EXCHANGES:
+            raise ValueError(f"cp_mla_exchange {self.exchange!r} is not one of {MLA_EXCHANGES}")
+        self.core_attention.latent_source = weakref.ref(self)  # where the core finds W_up (not a submodule)
+        core = self.core_attention
+        self.rotary_pos_emb.decode_position = lambda: _decoding_position(core)
+
+    def latent_exchange(self) -> bool:
+        """Whether this forward exchanges the latent (`--cp-mla-exchange`, resolved on the run's groups)."""
+        if self.exchange == "kv":
+            return False
+        from cp_ext import parallel_state as cp_state
+
+        all_gather = self.core_attention.cp_comm_type == "all_gather"
+        cp = self.pg_collection.cp.size()
+        possible = (cp > 1 and (all_gather or cp_state.get_ulysses_world_size() == 1)
+                    and self.pg_collection.tp.size() == 1 and isinstance(self.linear_kv_up_proj, ColumnParallelLinear))
+        if self.exchange == "latent" and not possible and cp > 1:
+            raise ValueError("--cp-mla-exchange latent runs on the ring (--cp-comm-type p2p) and all_gather at "
+                             "tensor-parallel size 1 with megatron's local linear_kv_up_proj; use --cp-mla-exchange kv")
+        heads = self.num_attention_heads_per_partition
+        smaller = latent_bytes_ratio(heads, self.config.qk_head_dim, self.config.qk_pos_emb_head_dim,
+                                     self.config.v_head_dim, self.config.kv_lora_rank) < 1
+        return possible and (self.exchange == "latent" or smaller)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, inference_context=None, *, inference_params=None):
+        if packed_seq_params is not None or inference_context is not None or inference_params is not None \
+                or not self.latent_exchange():
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
+                                                       packed_seq_params, inference_context)
+        query, latent, q_compressed, kv_compressed = self._query_and_latent(hidden_states)
+        return query, latent, None, q_compressed, kv_compressed
+
+    def _query_and_latent(self, hidden_states):
+        """megatron's MLA projections (TP = 1) up to the latent: q [s, b, h, d_qk] with RoPE, and
+        ``[c | k_pe]`` [s, b, r + p], the normalised latent and the roped shared key."""
+        cfg = self.config
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None)
+        emb, mscale = (self.rotary_pos_emb(seq_len), 1.0) if cfg.rope_type == "rope" else self.rotary_pos_emb(seq_len)
+        emb = emb[: hidden_states.shape[0]]
+        if cfg.q_lora_rank is not None:
+            q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden_states)[0])
+            q = self.linear_q_up_proj(q_compressed)[0]
+        else:
+            q_compressed, q = hidden_states, self.linear_q_proj(hidden_states)[0]
+        q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        c, k_pe = self.linear_kv_down_proj(hidden_states)[0].split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], -1)
+        c = self.kv_layernorm(c)
+        rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp)
+        q_pe = apply_rotary_pos_emb(q_pe, emb, **rope)
+        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope).squeeze(-2)
+        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([c, k_pe], dim=-1), q_compressed, c

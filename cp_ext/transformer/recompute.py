@@ -39,16 +39,17 @@ class ReplayAttention(torch.autograd.Function):
     """Returns the kept output of the first forward; its backward is the CP attention backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_offset, out, lse, plan):
-        ctx.save_for_backward(q, k, v, out, lse, softmax_offset)
+    def forward(ctx, q, k, v, softmax_offset, out, lse, plan, up_weight=None):
+        ctx.save_for_backward(q, k, v, out, lse, softmax_offset, up_weight)
         ctx.plan = plan  # the forward's mask, groups and kernel: all the backward needs besides the tensors
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, softmax_offset = ctx.saved_tensors
-        dq, dk, dv, d_offset = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan, softmax_offset=softmax_offset)
-        return dq, dk, dv, d_offset, None, None, None
+        q, k, v, out, lse, softmax_offset, up_weight = ctx.saved_tensors
+        dq, dk, dv, d_offset, d_weight = cp_attention_backward(dout, q, k, v, out, lse, ctx.plan,
+                                                               softmax_offset=softmax_offset, up_weight=up_weight)
+        return dq, dk, dv, d_offset, None, None, None, d_weight
 
 
 class KeptAttention:
@@ -68,9 +69,10 @@ class KeptAttention:
         """Attention over the CP groups; inside megatron's checkpoint, keep or replay its output."""
         if not is_checkpointing():
             return None  # not a checkpointed layer: the caller's normal (autograd) path
-        offset = attn_kwargs.pop("softmax_offset", None)  # a parameter: an autograd input of the replay
+        # parameters: autograd inputs of the replay (the sink; MLA's up-projection under the latent exchange)
+        offset, up_weight = attn_kwargs.pop("softmax_offset", None), attn_kwargs.pop("up_weight", None)
         if not torch.is_grad_enabled():  # the first forward of a checkpointed layer
-            out, lse, plan = cp_attention_forward(q, k, v, softmax_offset=offset, **attn_kwargs)
+            out, lse, plan = cp_attention_forward(q, k, v, softmax_offset=offset, up_weight=up_weight, **attn_kwargs)
             self._kept.append((out, lse, plan))
             KeptAttention.live_bytes += out.nbytes + lse.nbytes
             return out
@@ -80,10 +82,10 @@ class KeptAttention:
         out, lse, plan = self._kept.popleft()
         KeptAttention.live_bytes -= out.nbytes + lse.nbytes
         self.replayed += 1
-        if out.shape != q.shape[:-1] + (v.shape[-1],) or out.device != q.device:
+        if out.shape != q.shape[:-1] + (plan.message.d_v,) or out.device != q.device:
             raise RuntimeError(f"CP-aware recompute: kept attention output {tuple(out.shape)} does not match the "
                                f"recomputed query {tuple(q.shape)}")
-        return ReplayAttention.apply(q, k, v, offset, out, lse, plan)
+        return ReplayAttention.apply(q, k, v, offset, out, lse, plan, up_weight)
 
     def clear(self):
         while self._kept:
