@@ -356,3 +356,23 @@ def test_window_and_sink_flags_reach_megatrons_config():
                 ["--softmax-type", "sigmoid"]):
         with pytest.raises((SystemExit, ConfigError)):
             parse_args(bad, world_size=1)
+
+
+@pytest.mark.quick
+def test_latent_exchange_refused_where_the_latent_cannot_travel():
+    """With multi-latent attention (the flag comes with the model-families work), --cp-mla-exchange
+    latent needs the ring or all_gather and TP 1; auto and kv are always accepted."""
+    from argparse import Namespace
+
+    from cp_ext.attention_flags import _mla_exchange_problems
+
+    mla = dict(multi_latent_attention=True, ulysses_size=1, cp_comm_types=None, tensor_model_parallel_size=1)
+    assert _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **mla)) == []
+    assert _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, ulysses_size=2,
+                                                                              cp_comm_types=["all_gather"]))) == []
+    (ulysses,) = _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, ulysses_size=2)))
+    assert "U = 2" in ulysses and "--cp-mla-exchange kv" in ulysses
+    (tp,) = _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, tensor_model_parallel_size=2)))
+    assert "--tensor-model-parallel-size 1" in tp
+    for exchange in ("auto", "kv"):
+        assert _mla_exchange_problems(Namespace(cp_mla_exchange=exchange, **dict(mla, ulysses_size=2))) == []

@@ -20,10 +20,11 @@ so for one q run against one k run the mask is a *band* on the tile's local indi
 * unmasked neighbours coalesce into one rectangle, so without a window a tile is exactly one
   kernel call, as before windows existed (same work, same roundings);
 * any other band (a window, or the corner of a neighbour's chunk a window reaches) is cut into
-  row strips (64 to 512 rows), each against only the columns its band reaches, when that
-  computes at most 3/4 of the rectangle: work ~ rows x (strip + window), not rows x k run; and
-  a strip's columns that all its rows see run unmasked, between its two masked edges (for a
-  causal window the right edge is the causal square kernels run natively);
+  row strips as wide as the window, each against only the columns its band reaches: a mirrored
+  causal square (``j >= i``, which kernels run as causal with rows and columns reversed), the
+  columns every row sees (no mask) and a causal square. Work: the band's pairs and no more, in
+  kernel calls the kernels run natively; only where the rectangle's edges clip the band, and for
+  bands under 64 wide (masked strips of 64 rows), does a block carry a mask;
 * documents cut every block into its segments (one document's rows against its rows).
 
 Blocks of a tile may share q rows (a q run against two k runs); kernels merge them by LSE
@@ -89,6 +90,11 @@ class Band:
         """Whether this is the plain causal square every kernel takes natively."""
         return nq == nk and self.lo is None and self.hi == 0
 
+    def is_anti_causal(self, nq: int, nk: int) -> bool:
+        """Whether this is the mirrored causal square (key at or after the query, ``j >= i``): causal
+        with rows and columns reversed, which is how every kernel runs it (`kernels.base`)."""
+        return nq == nk and self.lo == 0 and self.hi is None
+
 
 @dataclass(frozen=True)
 class Block:
@@ -109,7 +115,8 @@ class Block:
         """Query-key pairs the kernel computes (what the work counter reports): the triangle of the
         causal square (kernels skip its upper half), else the rectangle (any other band is a dense mask)."""
         nq, nk = self.q1 - self.q0, self.k1 - self.k0
-        return nq * (nq + 1) // 2 if self.band is not None and self.band.is_causal(nq, nk) else nq * nk
+        triangle = self.band is not None and (self.band.is_causal(nq, nk) or self.band.is_anti_causal(nq, nk))
+        return nq * (nq + 1) // 2 if triangle else nq * nk
 
 
 def position_runs(positions: Sequence[int]) -> List[Run]:
@@ -135,56 +142,91 @@ def _normalized(lo, hi, nq, nk) -> Tuple[bool, Optional[Band]]:
 
 
 def _band_block(q0, q1, k0, k1, lo, hi) -> List[Block]:
-    """One q run x k run rectangle under ``lo <= j - i <= hi``; cut into row strips, each against only
-    the columns its band reaches, when that computes at most 3/4 of the rectangle."""
+    """One q run x k run rectangle under ``lo <= j - i <= hi``, as blocks the kernels run natively.
+
+    The rows that see anything are cut where the band stops being clipped by the rectangle's
+    edges (row -lo: before it a row sees from column 0; row nk - hi: from it a row sees to the
+    end), then into row strips (a two-sided band: its width ``hi - lo`` rows, so each strip is a
+    mirrored causal square, the unmasked columns every row sees, and a causal square;
+    `_split_strip`). Work: the band's own pairs, in kernel calls of window size. A band narrower
+    than 64 uses masked strips of 64 rows instead (one masked rectangle when they would compute
+    more than 3/4 of it)."""
     nq, nk = q1 - q0, k1 - k0
     empty, band = _normalized(lo, hi, nq, nk)
     if empty:
         return []
     if band is None or band.is_causal(nq, nk):  # every kernel's own case: one call
         return [Block(q0, q1, k0, k1, band)]
-    width = None if band.lo is None or band.hi is None else band.hi - band.lo + 1
-    strip = max(64, min(512, width // 4 if width is not None else nq // 8))
-    strips = []
-    for i0 in range(0, nq, strip):
-        i1 = min(nq, i0 + strip)
-        c0 = 0 if band.lo is None else max(0, i0 + band.lo)
-        c1 = nk if band.hi is None else min(nk, i1 - 1 + band.hi + 1)
-        if c0 >= c1:
-            continue
-        # strip-local: j' - i' = (j - i) + i0 - c0, so the band shifts by i0 - c0
-        shift = i0 - c0
-        s_empty, s_band = _normalized(None if band.lo is None else band.lo + shift,
-                                      None if band.hi is None else band.hi + shift, i1 - i0, c1 - c0)
-        if not s_empty:
-            strips += _split_strip(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band)
+    lo, hi = band.lo, band.hi
+    width = None if lo is None or hi is None else hi - lo
+    if width is not None and width < 64:
+        return _masked_strips(q0, q1, k0, k1, band)
+    r0, r1 = (0 if hi is None else max(0, -hi)), (nq if lo is None else min(nq, nk - lo))  # rows that see keys
+    cuts = sorted({r0, r1} | {c for c in ((None if lo is None else -lo), (None if hi is None else nk - hi))
+                              if c is not None and r0 < c < r1})
+    blocks = []
+    for a, z in zip(cuts, cuts[1:]):
+        step = z - a if width is None else width
+        for i0 in range(a, z, step):
+            i1 = min(z, i0 + step)
+            blocks += _strip(q0, k0, nk, i0, i1, band)
+    return blocks
+
+
+def _strip(q0, k0, nk, i0, i1, band) -> List[Block]:
+    """Rows [i0, i1) of a band block against only the columns they reach."""
+    c0 = 0 if band.lo is None else max(0, i0 + band.lo)
+    c1 = nk if band.hi is None else min(nk, i1 - 1 + band.hi + 1)
+    if c0 >= c1:
+        return []
+    shift = i0 - c0  # strip-local: j' - i' = (j - i) + i0 - c0, so the band shifts by i0 - c0
+    empty, s_band = _normalized(None if band.lo is None else band.lo + shift,
+                                None if band.hi is None else band.hi + shift, i1 - i0, c1 - c0)
+    return [] if empty else _split_strip(q0 + i0, q0 + i1, k0 + c0, k0 + c1, s_band)
+
+
+def _masked_strips(q0, q1, k0, k1, band) -> List[Block]:
+    """A narrow band (< 64 wide): masked row strips of 64 rows, or one masked rectangle."""
+    nq, nk = q1 - q0, k1 - k0
+    strips = [b for i0 in range(0, nq, 64) for b in _strip(q0, k0, nk, i0, min(nq, i0 + 64), band)]
     if sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in strips) > 0.75 * nq * nk:
         return [Block(q0, q1, k0, k1, band)]  # the band covers most of the rectangle anyway
     return strips
 
 
 def _split_strip(q0, q1, k0, k1, band) -> List[Block]:
-    """A strip's columns that every row sees need no mask: [masked edge | full middle | masked edge]
-    (for a causal window the right edge is the causal square every kernel runs natively)."""
+    """A strip's columns, left to right: the mirrored causal square its first column starts
+    (``j - i >= 0``: the band's left edge when it is unclipped), the columns every row sees (no
+    mask), the causal square its last column ends (the right edge); an edge that is not such a
+    square is a masked block, and a strip whose unmasked middle would be under 64 columns one."""
     if band is None:
         return [Block(q0, q1, k0, k1)]
     nq, nk = q1 - q0, k1 - k0
-    full_lo = 0 if band.lo is None else max(0, nq - 1 + band.lo)  # the last row's first visible column
-    full_hi = nk - 1 if band.hi is None else min(nk - 1, band.hi)  # the first row's last visible column
-    if full_hi - full_lo + 1 < 64:  # not worth two more calls
+    lo, hi = band.lo, band.hi
+    full_lo = 0 if lo is None else max(0, nq - 1 + lo)  # the last row's first visible column
+    full_hi = nk - 1 if hi is None else min(nk - 1, hi)  # the first row's last visible column
+    left_square = lo == 0 and (hi is None or hi >= nq - 1) and nk >= nq
+    right_square = hi is not None and hi >= 0 and hi + nq == nk and (lo is None or lo <= hi - nq + 1)
+    a = nq if left_square else full_lo  # the unmasked middle: columns [a, z)
+    z = hi if right_square else full_hi + 1
+    if a > z or (not (left_square or right_square) and z - a < 64):  # not worth more calls
         return [Block(q0, q1, k0, k1, band)]
     blocks = []
-    if full_lo > 0:
-        empty, left = _normalized(band.lo, band.hi, nq, full_lo)
+    if left_square:
+        blocks.append(Block(q0, q1, k0, k0 + nq, Band(0, None)))
+    elif a > 0:
+        empty, left = _normalized(lo, hi, nq, a)
         if not empty:
-            blocks.append(Block(q0, q1, k0, k0 + full_lo, left))
-    blocks.append(Block(q0, q1, k0 + full_lo, k0 + full_hi + 1))
-    if full_hi < nk - 1:
-        shift = -(full_hi + 1)  # columns renumbered from the edge's first
-        empty, right = _normalized(None if band.lo is None else band.lo + shift,
-                                   None if band.hi is None else band.hi + shift, nq, nk - full_hi - 1)
+            blocks.append(Block(q0, q1, k0, k0 + a, left))
+    if z > a:
+        blocks.append(Block(q0, q1, k0 + a, k0 + z))
+    if right_square:
+        blocks.append(Block(q0, q1, k0 + z, k1, Band(None, 0)))
+    elif z < nk:
+        shift = -z  # columns renumbered from the edge's first
+        empty, right = _normalized(None if lo is None else lo + shift, None if hi is None else hi + shift, nq, nk - z)
         if not empty:
-            blocks.append(Block(q0, q1, k0 + full_hi + 1, k1, right))
+            blocks.append(Block(q0, q1, k0 + z, k1, right))
     return blocks
 
 

@@ -28,6 +28,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from cp_ext.attention_flags import MLA_EXCHANGES
 from cp_ext.models.rope import RotaryAtContextParallelPositions
+from cp_ext.transformer.attention import CoreAttention
 
 
 def _decoding_position(core_attention):
@@ -64,10 +65,12 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         all_gather = self.core_attention.cp_comm_type == "all_gather"
         cp = self.pg_collection.cp.size()
         possible = (cp > 1 and (all_gather or cp_state.get_ulysses_world_size() == 1)
-                    and self.pg_collection.tp.size() == 1 and isinstance(self.linear_kv_up_proj, ColumnParallelLinear))
+                    and self.pg_collection.tp.size() == 1 and isinstance(self.linear_kv_up_proj, ColumnParallelLinear)
+                    and isinstance(self.core_attention, CoreAttention))
         if self.exchange == "latent" and not possible and cp > 1:
             raise ValueError("--cp-mla-exchange latent runs on the ring (--cp-comm-type p2p) and all_gather at "
-                             "tensor-parallel size 1 with megatron's local linear_kv_up_proj; use --cp-mla-exchange kv")
+                             "tensor-parallel size 1 with megatron's local linear_kv_up_proj and cp_ext's CoreAttention; "
+                             "use --cp-mla-exchange kv")
         heads = self.num_attention_heads_per_partition
         smaller = latent_bytes_ratio(heads, self.config.qk_head_dim, self.config.qk_pos_emb_head_dim,
                                      self.config.v_head_dim, self.config.kv_lora_rank) < 1

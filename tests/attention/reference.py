@@ -245,3 +245,15 @@ def init_four_ranks():
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
     return rank, {2: pairs[rank // 2], 4: dist.group.WORLD}
+
+
+def value_errors(calls):
+    """{name: the ValueError's message, or None when the call raised none} for ``{name: call}``."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out

@@ -33,7 +33,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.attention.recorders import record_all_to_all  # noqa: E402
-from tests.attention.reference import check_bounds, measure  # noqa: E402
+from tests.attention.reference import check_bounds, measure, value_errors  # noqa: E402
 from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -133,15 +133,13 @@ def _errors(ulysses_group, ring_group):
 
     from cp_ext.attention.dispatch import hybrid_attention
 
-    msgs = {}
-    for key, h, layout in [("h3_u2", 3, "zigzag"), ("bad_layout", 4, "zigzag-ish")]:
+    def call(h, layout):
         x = torch.randn(8, 1, h, 16)
-        try:
-            hybrid_attention(x, x, x, causal=True, ulysses_group=ulysses_group, ring_group=ring_group, layout=layout)
-            msgs[key] = None
-        except ValueError as e:
-            msgs[key] = str(e)
-    return msgs
+        return lambda: hybrid_attention(x, x, x, causal=True, ulysses_group=ulysses_group, ring_group=ring_group,
+                                        layout=layout)
+
+    return value_errors({key: call(h, layout) for key, h, layout in [("h3_u2", 3, "zigzag"),
+                                                                       ("bad_layout", 4, "zigzag-ish")]})
 
 
 def main():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.reference import init_four_ranks  # noqa: E402
+from tests.attention.reference import init_four_ranks, value_errors  # noqa: E402
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -169,6 +169,28 @@ def _bytes(groups):
     return res
 
 
+def _errors(groups):
+    """Bad latent-exchange calls: each a ValueError naming what is wrong, before any exchange."""
+    import torch
+
+    from cp_ext.attention import hybrid_attention, ring_attention
+    from cp_ext.attention.dispatch import NO_GROUP
+
+    q = torch.randn(S // 4, B, H, NOPE + POS, dtype=torch.float64)
+    latent = torch.randn(S // 4, B, RANK + POS, dtype=torch.float64)
+    weight = torch.randn(H * (NOPE + DV), RANK, dtype=torch.float64)
+    calls = {
+        "ulysses": lambda: hybrid_attention(q, latent, None, up_weight=weight, causal=True, ulysses_group=groups[2],
+                                            ring_group=NO_GROUP),
+        "latent_with_heads": lambda: ring_attention(q, latent[:, :, None], None, up_weight=weight, causal=True,
+                                                    group=groups[4]),
+        "weight_rows": lambda: ring_attention(q, latent, None, up_weight=weight[:-1], causal=True, group=groups[4]),
+        "no_value_dims": lambda: ring_attention(q, latent, None, up_weight=weight[: H * NOPE], causal=True,
+                                                group=groups[4]),
+    }
+    return value_errors(calls)
+
+
 def main():
     import torch.distributed as dist
 
@@ -177,6 +199,7 @@ def main():
     results = {case["name"]: _measure(case, groups, rank) for case in selected(CASES, args)}
     if args.cases is None or "bytes" in args.extra:
         results["bytes"] = _bytes(groups)
+        results["errors"] = _errors(groups)
     write_results(args.results_dir, results)
     dist.destroy_process_group()
 
@@ -210,6 +233,15 @@ def test_latent_exchange_sends_the_latent(results):
     ratio = (RANK + POS) / (H * (NOPE + POS + DV))
     assert b["latent"]["fwd"] == b["kv"]["fwd"] * ratio and b["latent"]["fwd"] > 0, b
     assert b["latent"]["bwd"] == b["kv"]["bwd"] * ratio, b
+
+
+@pytest.mark.quick
+def test_bad_latent_calls_name_the_problem(results):
+    e = results[0]["errors"]
+    assert "Ulysses exchanges heads" in e["ulysses"] and "--cp-mla-exchange kv" in e["ulysses"]
+    assert "latent [s, b, kv_lora_rank + qk_pos_emb_head_dim]" in e["latent_with_heads"]
+    assert "linear_kv_up_proj weight" in e["weight_rows"]
+    assert "leave no key / value dims" in e["no_value_dims"]
 
 
 if __name__ == "__main__":

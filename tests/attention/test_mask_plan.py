@@ -44,7 +44,8 @@ def _covered(blocks, nq, nk, b):
     return count
 
 
-WINDOWS = [None, (0, 0), (3, 0), (17, 0), (64, 0), (1000, 0), (5, 7), (0, 9), (-1, 4)]
+WINDOWS = [None, (0, 0), (3, 0), (17, 0), (64, 0), (100, 0), (1000, 0), (5, 7), (0, 9), (-1, 4), (129, 70),
+           (90, -1)]
 
 
 @pytest.mark.quick
@@ -77,6 +78,27 @@ def test_blocks_cover_the_mask_exactly(layout, size, s, docs):
                 blk.q1 - blk.q0, blk.k1 - blk.k0)) > 1
     if s >= 1024:
         assert strips > 0  # narrow bands on long tiles are cut into strips
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("window, causal", [((256, 0), True), ((100, 0), True), ((200, 150), False)])
+def test_wide_windows_compute_their_pairs_in_native_squares(layout, window, causal):
+    """A window of >= 64 computes exactly its pairs: mirrored causal squares, unmasked rectangles and
+    causal squares (the kernels' own cases), and here none needs a mask."""
+    s, size = 4096, 4
+    pos = [context_parallel_positions(s, ring_rank=r, ring_size=size, layout=layout) for r in range(size)]
+    w = make_window(window, causal)
+    computed = needed = masked = 0
+    for r, src in itertools.product(range(size), repeat=2):
+        blocks = plan_tile(position_runs(pos[r].tolist()), position_runs(pos[src].tolist()), w, same_tokens=r == src)
+        computed += sum(blk.pairs() for blk in blocks)
+        needed += int(_truth(pos[r], pos[src], causal, window, None, None).sum())
+        masked += sum(blk.band is not None and not (blk.band.is_causal(blk.q1 - blk.q0, blk.k1 - blk.k0) or
+                                                    blk.band.is_anti_causal(blk.q1 - blk.q0, blk.k1 - blk.k0))
+                      for blk in blocks)
+    assert computed == needed, (computed, needed)
+    assert masked == 0, masked  # the chunks and the window align: no block needs a mask
 
 
 def test_strips_compute_less_than_the_rectangle():

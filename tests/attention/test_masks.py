@@ -72,6 +72,9 @@ def _cases():
         _case("all_gather", window=(100, 0), h=2, d=16, s=1024),
         _case("ulysses4", window=(30, 0), d=16, s=512),
         _case("hybrid", causal=False, window=(20, 30), docs=True, d=16, s=512),
+        # wide enough for window-sized strips: mirrored causal squares, unmasked middles, causal squares
+        _case("ring4", layout="contiguous", window=(96, 0), sink=True, h=2, hk=1, d=16, s=1024),
+        _case("ring2", causal=False, window=(70, 90), d=16, s=512),
     ]
     return cases
 

@@ -65,10 +65,11 @@ def test_cpu_run_passes_every_kernel_dtype_and_mask(cpu_run):
     assert {s["kernel"] for s in summary["skipped"]} == {"flash", "efficient", "cudnn", "flash_attn", "te"}
     for kernel in KERNELS:  # windows, sinks and MLA's head dims (tools/gpu_check_masks.py)
         for dtype in DTYPES + ("fp64",):
-            for variant in ("window 24 + sink", "MLA 192/128 + sink"):
+            for variant in ("window 24 + sink", "MLA 192/128 + sink", "MLA latent r64 + sink"):
                 name = f"masks {variant} {kernel} {dtype}"
                 assert rows[name]["status"] == "PASS", rows.get(name)
-                assert set(rows[name]["detail"]["err"]) == {"out", "dq", "dk", "dv", "doffset"}
+                grads = ("dlatent", "dweight") if "latent" in variant else ("dk", "dv")
+                assert set(rows[name]["detail"]["err"]) == {"out", "dq", "doffset", *grads}
     env = summary["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and "date" in env
 

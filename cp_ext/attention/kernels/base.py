@@ -78,6 +78,10 @@ class AttnKernel:
 
         ``causal`` (square only) or ``band`` (a `Band` on local indices; None: all visible)."""
         check_shapes(q, k, v)
+        if band is not None and band.is_anti_causal(q.shape[2], k.shape[2]):
+            # j >= i on a square is the causal square with rows and columns reversed: every kernel's own case
+            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), scale=scale, causal=True)
+            return out.flip(2), lse.flip(2)
         causal, mask = self._mask(causal, band, q, k)
         dv = v.shape[-1]
         q, k, v = self._pad_heads(q, k, v)
@@ -93,6 +97,10 @@ class AttnKernel:
     def backward(self, dout, q, k, v, out, lse, *, scale: float, causal: bool = False, band: Optional[Band] = None):
         """(dq, dk, dv) of one rectangle from the global ``out`` / ``lse``; dk/dv may be fp32 (GQA sums)."""
         check_shapes(q, k, v)
+        if band is not None and band.is_anti_causal(q.shape[2], k.shape[2]):
+            flip = lambda x: x.flip(2)  # noqa: E731  (as forward: the causal square, reversed)
+            grads = self.backward(*map(flip, (dout, q, k, v, out, lse)), scale=scale, causal=True)
+            return tuple(map(flip, grads))
         causal, mask = self._mask(causal, band, q, k)
         hk, dqk, dv = k.shape[1], q.shape[-1], v.shape[-1]
         dout, out = dout.to(q.dtype), out.to(q.dtype)  # a tile's merged fp32 out: the kernel takes q's dtype
