@@ -16,7 +16,7 @@ import time
 
 import yaml
 
-from cp_ext.attention_flags import add_attention_args, attention_flag_problems
+from cp_ext.attention_flags import add_attention_args, add_mla_args, attention_flag_problems
 
 
 class ConfigError(ValueError):
@@ -173,6 +173,7 @@ def _add_model_args(parser):
     g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE, default=128)
     g.add_argument("--bf16", action="store_true")
     add_attention_args(g)
+    add_mla_args(g)
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "

@@ -13,6 +13,13 @@ field names, and applied by `cp_ext.transformer.attention.CoreAttention` on ever
   ``softmax_offset``, one logit per head). Every kernel takes them: cp_ext adds the sink in the
   finish step after the LSE merge, not inside the kernel.
 
+Multi-latent attention (DeepSeek-V2/V3), Megatron-LM's ``_add_mla_args`` with its defaults:
+``--multi-latent-attention``, ``--q-lora-rank`` (None: q projected directly), ``--kv-lora-rank`` 32,
+``--qk-head-dim`` 128, ``--qk-pos-emb-head-dim`` 64, ``--v-head-dim`` 128, and the YaRN RoPE of MLA:
+``--rope-type rope|yarn`` (MLA's default yarn), ``--rotary-scaling-factor`` 1.0, ``--mscale`` 1.0,
+``--mscale-all-dim`` 0.0; megatron's ``MLATransformerConfig`` fields of the same names, built by
+`cp_ext.models.gpt_moe` with `cp_ext.transformer.mla.ContextParallelMLASelfAttention` in the seat.
+
 And one of cp_ext's own (Megatron-LM has no such flag):
 
 * ``--cp-mla-exchange auto|kv|latent``: what multi-latent attention's ring and all-gather move,
@@ -78,6 +85,58 @@ def add_attention_args(g):
                         "(ring or all_gather, TP 1), else kv")
 
 
+MLA_FLAGS = {"q_lora_rank": "--q-lora-rank", "kv_lora_rank": "--kv-lora-rank", "qk_head_dim": "--qk-head-dim",
+             "qk_pos_emb_head_dim": "--qk-pos-emb-head-dim", "v_head_dim": "--v-head-dim",
+             "rotary_scaling_factor": "--rotary-scaling-factor", "mscale": "--mscale",
+             "mscale_all_dim": "--mscale-all-dim"}
+MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                "v_head_dim": 128, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def add_mla_args(g):
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek-V2/V3's multi-latent attention (megatron's MLASelfAttention), exact on every CP type")
+    sizes = {"q_lora_rank": "rank of q's low-rank projection (None: q projected directly)",
+             "kv_lora_rank": "rank of the K/V latent", "qk_head_dim": "q/k head dim without the RoPE part",
+             "qk_pos_emb_head_dim": "the RoPE part of q/k (one key shared by the heads)",
+             "v_head_dim": "v head dim"}
+    for dest, text in sizes.items():
+        g.add_argument(MLA_FLAGS[dest], type=int, default=MLA_DEFAULTS[dest],
+                       help=f"with --multi-latent-attention: {text} (default {MLA_DEFAULTS[dest]}, Megatron-LM's)")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="MLA's RoPE: rope, or yarn (MLA's default, as Megatron-LM); common attention takes rope only")
+    for dest, text in (("rotary_scaling_factor", "YaRN's scaling factor"), ("mscale", "YaRN's mscale"),
+                       ("mscale_all_dim", "YaRN's mscale_all_dim")):
+        g.add_argument(MLA_FLAGS[dest], type=float, default=MLA_DEFAULTS[dest],
+                       help=f"with --multi-latent-attention: {text} (default {MLA_DEFAULTS[dest]})")
+
+
+def mla_flag_problems(args):
+    """The MLA flags: only with --multi-latent-attention, sizes that build, and Megatron-LM's exclusions."""
+    if not getattr(args, "multi_latent_attention", False):
+        given = [flag for dest, flag in MLA_FLAGS.items() if getattr(args, dest) != MLA_DEFAULTS[dest]]
+        p = [f"{flag} applies to multi-latent attention; add --multi-latent-attention or drop it" for flag in given]
+        if getattr(args, "rope_type", None) == "yarn":
+            p.append("--rope-type yarn applies to multi-latent attention (common attention takes rope only, as in "
+                     "Megatron-LM); add --multi-latent-attention or drop it")
+        return p
+    p = [f"{MLA_FLAGS[d]} {getattr(args, d)} must be positive" for d in
+         ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank")
+         if getattr(args, d) is not None and getattr(args, d) <= 0]
+    if args.qk_pos_emb_head_dim % 2:
+        p.append(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs of dims)")
+    if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
+        p.append(f"--num-query-groups {args.num_query_groups} does not apply to multi-latent attention (every head "
+                 f"has its own K/V from the latent; Megatron-LM: mutually exclusive with GQA); drop it")
+    if getattr(args, "reset_position_ids", False):
+        p.append("--reset-position-ids is not supported with --multi-latent-attention yet (MLA's layers build their "
+                 "own RoPE, which takes no per-batch positions); drop it")
+    if args.kv_channels is not None:
+        p.append("--kv-channels does not apply to multi-latent attention (its head dims are --qk-head-dim, "
+                 "--qk-pos-emb-head-dim and --v-head-dim); drop it")
+    return p
+
+
 def attention_flag_problems(args):
     """Configuration errors of the window flags, naming the flag and the fix."""
     p = []
@@ -96,6 +155,7 @@ def attention_flag_problems(args):
                                             ("--softmax-type " + args.softmax_type, args.softmax_type != "vanilla")) if on)
         p.append(f"--attention-dropout {args.attention_dropout} is not supported with {what} (cp_ext's kernels run "
                  f"without dropout); set --attention-dropout 0")
+    p.extend(mla_flag_problems(args))
     p.extend(_mla_exchange_problems(args))
     kernel = getattr(args, "attention_kernel", None)
     if args.window_size is None or kernel in (None, "auto"):

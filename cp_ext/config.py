@@ -6,7 +6,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 @dataclass
@@ -45,6 +45,21 @@ class ContextParallelTransformerConfig(TransformerConfig):
     core attention replaces."""
 
 
+@dataclass
+class ContextParallelMLATransformerConfig(ContextParallelTransformerConfig, MLATransformerConfig):
+    """The same with megatron's multi-latent attention fields (``--multi-latent-attention``)."""
+
+
+def _mla_fields(args):
+    """MLATransformerConfig's fields from the MLA flags (Megatron-LM's names; rope_type None: MLA's yarn)."""
+    if not args.multi_latent_attention:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                rope_type=args.rope_type or "yarn", rotary_base=args.rotary_base,
+                rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
+
+
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
     """The vocabulary padded to a multiple of ``divisible_by``, the same on every grid.
 
@@ -80,7 +95,9 @@ def aux_loss_layout_factor(args):
 
 def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return ContextParallelTransformerConfig(
+    config_class = ContextParallelMLATransformerConfig if args.multi_latent_attention else ContextParallelTransformerConfig
+    return config_class(
+        **_mla_fields(args),
         ulysses_size=args.ulysses_size,
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,

@@ -376,3 +376,47 @@ def test_latent_exchange_refused_where_the_latent_cannot_travel():
     assert "--tensor-model-parallel-size 1" in tp
     for exchange in ("auto", "kv"):
         assert _mla_exchange_problems(Namespace(cp_mla_exchange=exchange, **dict(mla, ulysses_size=2))) == []
+
+
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "argv, world, must_name",
+    [
+        (["--q-lora-rank", "12"], 1, ["--q-lora-rank applies to multi-latent attention", "--multi-latent-attention"]),
+        (["--rope-type", "yarn"], 1, ["--rope-type yarn applies to multi-latent attention"]),
+        (MLA + ["--num-query-groups", "2"], 1, ["--num-query-groups 2 does not apply to multi-latent attention"]),
+        (MLA[:6] + ["5"] + MLA[7:], 1, ["--qk-pos-emb-head-dim 5 must be even"]),
+        (MLA + ["--kv-channels", "16"], 1, ["--kv-channels does not apply to multi-latent attention"]),
+        (MLA + ["--reset-position-ids"], 1, ["--reset-position-ids is not supported with --multi-latent-attention"]),
+        (MLA + ["--context-parallel-size", "2", "--ulysses-size", "2", "--cp-mla-exchange", "latent"], 2,
+         ["--cp-mla-exchange latent runs on the ring and all_gather", "U = 2"]),
+    ],
+    ids=["q-lora-without-mla", "yarn-without-mla", "mla-with-gqa", "odd-rope-dim", "mla-kv-channels",
+         "mla-reset-position-ids", "latent-on-ulysses"],
+)
+def test_bad_mla_flags_name_the_flag(argv, world, must_name):
+    message = _error(argv, world)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+@pytest.mark.quick
+def test_mla_flags_reach_megatrons_mla_config():
+    """Megatron-LM's MLA flags and defaults become megatron's MLATransformerConfig fields."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from cp_ext.config import transformer_config_from_args
+
+    cfg = transformer_config_from_args(parse_args(MLA + ["--q-lora-rank", "12", "--rotary-scaling-factor", "4",
+                                                         "--mscale-all-dim", "1"], world_size=1))
+    assert isinstance(cfg, MLATransformerConfig) and cfg.multi_latent_attention
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (12, 16, 8, 4, 6)
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == ("yarn", 4.0, 1.0, 1.0)
+    assert transformer_config_from_args(parse_args(MLA + ["--rope-type", "rope"], world_size=1)).rope_type == "rope"
+    plain = parse_args([], world_size=1)
+    assert (plain.kv_lora_rank, plain.qk_head_dim, plain.qk_pos_emb_head_dim, plain.v_head_dim) == (32, 128, 64, 128)
+    assert not getattr(transformer_config_from_args(plain), "multi_latent_attention", False)

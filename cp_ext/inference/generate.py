@@ -154,7 +154,8 @@ class Generator:
         else:
             hidden = self._from_previous_stage(1)
             model.decoder.set_input_tensor(hidden)  # what a stage without the embedding reads
-        rope = model.rotary_pos_emb.get_emb(position + 1)[position:position + 1]  # the full table's row
+        # the full table's row (MLA's layers rotate their own key at cache.position: cp_ext.transformer.mla)
+        rope = None if self.config.multi_latent_attention else model.rotary_pos_emb.get_emb(position + 1)[position:position + 1]
         hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
         cache.finish_token()
         if not self.last_stage:

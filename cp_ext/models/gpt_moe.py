@@ -4,7 +4,9 @@ The spec is megatron's local (non-TE) GPT layer spec with three seats re-filled:
 
     TransformerLayer
       input_layernorm    -> cp_ext SequenceParallelNorm        (SP without apex/TE)
-      self_attention     -> megatron SelfAttention (RoPE, GQA)
+      self_attention     -> megatron SelfAttention (RoPE, GQA), or with --multi-latent-attention
+                            cp_ext ContextParallelMLASelfAttention (megatron's MLA: its RoPE at
+                            this rank's positions, the latent exchange)
         core_attention   -> cp_ext CoreAttention               (local today; CP-aware later)
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
       mlp                -> megatron MoELayer (TopKRouter + SequentialMLP experts)
@@ -38,11 +40,19 @@ from cp_ext.transformer.norms import SequenceParallelNorm
 
 
 def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """One transformer layer as data: megatron's local spec with cp_ext's norms and attention."""
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization)
+    """One transformer layer as data: megatron's local spec with cp_ext's norms and attention
+    (with ``multi_latent_attention``, megatron's MLA spec with cp_ext's MLA seat: its RoPE at this
+    rank's positions and the latent exchange, `cp_ext.transformer.mla`)."""
+    mla = getattr(config, "multi_latent_attention", False)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization,
+                                    multi_latent_attention=mla)
     layer = spec.submodules
     layer.input_layernorm = SequenceParallelNorm
     layer.pre_mlp_layernorm = SequenceParallelNorm
+    if mla:
+        from cp_ext.transformer.mla import ContextParallelMLASelfAttention  # (it imports cp_ext.models.rope)
+
+        layer.self_attention.module = ContextParallelMLASelfAttention
     layer.self_attention.submodules.core_attention = CoreAttention
     return spec
 
@@ -71,11 +81,12 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
     )
-    # The same RoPE table, sliced at the global positions this CP rank holds.
-    model.rotary_pos_emb = ContextParallelRotaryEmbedding(
-        kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=args.rotary_base,
-        rotary_interleaved=config.rotary_interleaved, layout=config.cp_layout,
-    )
+    if not config.multi_latent_attention:  # (MLA's layers rotate their own RoPE key, at the same positions)
+        # The same RoPE table, sliced at the global positions this CP rank holds.
+        model.rotary_pos_emb = ContextParallelRotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=args.rotary_base,
+            rotary_interleaved=config.rotary_interleaved, layout=config.cp_layout,
+        )
     if args.reset_position_ids:  # packed documents: RoPE at the batch's per-document positions
         use_batch_position_ids(model)
     init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)

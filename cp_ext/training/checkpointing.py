@@ -46,6 +46,7 @@ from megatron.core.dist_checkpointing.dict_utils import merge
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+from cp_ext.attention_flags import MLA_FLAGS
 from cp_ext.training.checkpoint_state import (
     CONTENT_METADATA,
     CheckpointContext,
@@ -67,6 +68,7 @@ SCHEDULE_FLAGS = {
     "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style", "weight_decay": "--weight-decay",
 }
 # What decides the parameters' shapes: a checkpoint of another shape is refused at parse time.
+
 MODEL_FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
     "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
@@ -74,6 +76,7 @@ MODEL_FLAGS = {
     "normalization": "--normalization", "swiglu": "--swiglu", "softmax_type": "--softmax-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+    "multi_latent_attention": "--multi-latent-attention", **MLA_FLAGS,
 }
 GRID_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "ulysses_size", "use_distributed_optimizer")

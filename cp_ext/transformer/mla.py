@@ -23,6 +23,10 @@ import weakref
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -40,6 +44,18 @@ def _decoding_position(core_attention):
 def latent_bytes_ratio(heads, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank):
     """Values per token of the latent over those of the per-head K/V it replaces."""
     return (kv_lora_rank + qk_pos_emb_head_dim) / (heads * (qk_head_dim + qk_pos_emb_head_dim + v_head_dim))
+
+
+def latent_possible(cp: int, all_gather: bool, ulysses: int, tp: int) -> bool:
+    """Whether a layer can exchange the latent: CP > 1 on the ring or all-gather, TP 1."""
+    return cp > 1 and (all_gather or ulysses == 1) and tp == 1
+
+
+def takes_latent(exchange: str, possible: bool, config, heads: int) -> bool:
+    """``--cp-mla-exchange`` resolved: latent when asked, or (auto) where possible and smaller."""
+    smaller = latent_bytes_ratio(heads, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim,
+                                 config.kv_lora_rank) < 1
+    return possible and (exchange == "latent" or (exchange == "auto" and smaller))
 
 
 class ContextParallelMLASelfAttention(MLASelfAttention):
@@ -62,46 +78,74 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
             return False
         from cp_ext import parallel_state as cp_state
 
-        all_gather = self.core_attention.cp_comm_type == "all_gather"
         cp = self.pg_collection.cp.size()
-        possible = (cp > 1 and (all_gather or cp_state.get_ulysses_world_size() == 1)
-                    and self.pg_collection.tp.size() == 1 and isinstance(self.linear_kv_up_proj, ColumnParallelLinear)
+        possible = (latent_possible(cp, self.core_attention.cp_comm_type == "all_gather",
+                                    cp_state.get_ulysses_world_size(), self.pg_collection.tp.size())
+                    and isinstance(self.linear_kv_up_proj, ColumnParallelLinear)
                     and isinstance(self.core_attention, CoreAttention))
         if self.exchange == "latent" and not possible and cp > 1:
             raise ValueError("--cp-mla-exchange latent runs on the ring (--cp-comm-type p2p) and all_gather at "
                              "tensor-parallel size 1 with megatron's local linear_kv_up_proj and cp_ext's CoreAttention; "
                              "use --cp-mla-exchange kv")
-        heads = self.num_attention_heads_per_partition
-        smaller = latent_bytes_ratio(heads, self.config.qk_head_dim, self.config.qk_pos_emb_head_dim,
-                                     self.config.v_head_dim, self.config.kv_lora_rank) < 1
-        return possible and (self.exchange == "latent" or smaller)
+        return takes_latent(self.exchange, possible, self.config, self.num_attention_heads_per_partition)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                     packed_seq_params=None, inference_context=None, *, inference_params=None):
-        if packed_seq_params is not None or inference_context is not None or inference_params is not None \
-                or not self.latent_exchange():
+        """megatron's, except under the latent exchange (key: the latent, value None) and at TP > 1,
+        where megatron-core 0.16.1 loses gradient: `_projections`."""
+        own = packed_seq_params is None and inference_context is None and inference_params is None
+        latent = own and self.latent_exchange()
+        if not latent and not (own and self.pg_collection.tp.size() > 1):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
                                                        packed_seq_params, inference_context)
-        query, latent, q_compressed, kv_compressed = self._query_and_latent(hidden_states)
-        return query, latent, None, q_compressed, kv_compressed
+        return self._projections(hidden_states, latent)
 
-    def _query_and_latent(self, hidden_states):
-        """megatron's MLA projections (TP = 1) up to the latent: q [s, b, h, d_qk] with RoPE, and
-        ``[c | k_pe]`` [s, b, r + p], the normalised latent and the roped shared key."""
-        cfg = self.config
+    def _projections(self, hidden_states, latent):
+        """megatron's MLA projections and RoPE (``get_query_key_value_tensors``, no packing, no inference
+        context), with one fix: at TP > 1 the shared RoPE key ``k_pe`` is gathered from the TP ranks'
+        column slices and every rank's heads use it, but megatron sends back only the local heads' share
+        of its gradient (the gather's backward keeps this rank's columns of its own partial gradient), so
+        ``linear_kv_down_proj``'s k_pe rows lose the other ranks' heads (tests/training/
+        test_grid_equivalence.py, TP2: 3e-4 of the gradient's scale off, the size of that gradient).
+        Here ``k_pe`` passes megatron's ``copy_to_tensor_model_parallel_region``, which all-reduces its
+        gradient over TP. Returns (query, key, value, q_compressed, kv_compressed); with ``latent``
+        (TP = 1) key is ``[c | k_pe]`` [s, b, r + p] and value None."""
+        cfg, tp = self.config, self.pg_collection.tp.size()
+        r, p = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None)
         emb, mscale = (self.rotary_pos_emb(seq_len), 1.0) if cfg.rope_type == "rope" else self.rotary_pos_emb(seq_len)
-        emb = emb[: hidden_states.shape[0]]
         if cfg.q_lora_rank is not None:
-            q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden_states)[0])
+            q_compressed = self.linear_q_down_proj(hidden_states)[0]
+            if q_compressed.size(-1) != cfg.q_lora_rank:  # a column-parallel down projection: gather it
+                q_compressed = gather_from_tensor_model_parallel_region(q_compressed)
+                if cfg.sequence_parallel:
+                    q_compressed = scatter_to_sequence_parallel_region(q_compressed)
+            q_compressed = self.q_layernorm(q_compressed)
             q = self.linear_q_up_proj(q_compressed)[0]
         else:
             q_compressed, q = hidden_states, self.linear_q_proj(hidden_states)[0]
-        q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
-        q_nope, q_pe = q.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        c, k_pe = self.linear_kv_down_proj(hidden_states)[0].split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], -1)
+        kv_combined = self.linear_kv_down_proj(hidden_states)[0]
+        if kv_combined.size(-1) != r + p:
+            c, k_pe = gather_from_tensor_model_parallel_region(kv_combined).split([r, p], dim=-1)
+            if cfg.sequence_parallel:
+                c = scatter_to_sequence_parallel_region(c)
+            k_pe = copy_to_tensor_model_parallel_region(k_pe)  # the fix: every rank's heads' gradient
+        else:
+            c, k_pe = kv_combined.split([r, p], dim=-1)
+            if tp > 1 and cfg.sequence_parallel:
+                k_pe = gather_from_sequence_parallel_region(k_pe, group=self.tp_group)
         c = self.kv_layernorm(c)
+        q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_head_dim, p], dim=-1)
+        emb = emb[: q.shape[0]]
         rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp)
         q_pe = apply_rotary_pos_emb(q_pe, emb, **rope)
-        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope).squeeze(-2)
-        return torch.cat([q_nope, q_pe], dim=-1), torch.cat([c, k_pe], dim=-1), q_compressed, c
+        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope)  # [s, b, 1, p]
+        query = torch.cat([q_nope, q_pe], dim=-1)
+        if latent:
+            return query, torch.cat([c, k_pe.squeeze(-2)], dim=-1), None, q_compressed, c
+        kv = self.linear_kv_up_proj(c)[0]
+        kv = kv.view(*kv.shape[:2], self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim)
+        k_nope, value = kv.split([cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_pe.expand(-1, -1, self.num_attention_heads_per_partition, -1)], dim=-1)
+        return query.contiguous(), key.contiguous(), value.contiguous(), q_compressed, c

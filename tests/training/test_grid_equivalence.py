@@ -14,7 +14,7 @@ ring, Ulysses and the hybrid through the real model (RoPE at global positions, s
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 26
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 32
 layouts), each on its own grid of the same ranks, one after another.
 """
 
@@ -96,11 +96,31 @@ WINDOWS = {
                                  "2", "--expert-model-parallel-size", "2"]),
 }
 
+# DeepSeek-V3's attention: multi-latent attention with q-LoRA and YaRN (Megatron-LM's flags), against CP=1.
+# `auto` exchanges the latent on the ring and all-gather at TP 1 and per-head K/V elsewhere.
+MLA_FLAGS = ["--multi-latent-attention", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+             "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4",
+             "--mscale-all-dim", "1.0"]
+MLA = {
+    "cp1_mla": (1, []),
+    "cp2_ring_mla": (2, ["--context-parallel-size", "2"]),
+    "cp2_ring_mla_kv": (2, ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"]),
+    "cp2_all_gather_mla": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--cp-mla-exchange",
+                               "latent"]),
+    "cp4_ulysses2_ring2_mla": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                   "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "pp2_cp2_mla": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_mla": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+                              "2", "--expert-model-parallel-size", "2"]),
+}
+LATENT = {"cp2_ring_mla", "cp2_all_gather_mla", "pp2_cp2_mla"}  # where the latent travels
+
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
 RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
 RUNS[UNMASKED_DOCS] = (1, [], "docs")
 RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDOWS.items()})
+RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +175,16 @@ def test_packed_documents_match_single_process(layout, runs):
 @pytest.mark.parametrize("layout", [k for k in WINDOWS if k != "cp1_window"])
 def test_window_and_sink_match_single_process(layout, runs):
     _assert_same(runs(layout), runs("cp1_window"))
+
+
+@pytest.mark.parametrize("layout", [k for k in MLA if k != "cp1_mla"])
+def test_multi_latent_attention_matches_single_process(layout, runs):
+    """Losses, grad norms and every parameter gradient (MLA's projections and norms included) equal
+    CP=1's; the latent is exchanged exactly where `auto` / --cp-mla-exchange say."""
+    result = runs(layout)
+    assert result[0]["latent exchange"] == [layout in LATENT], result[0]["latent exchange"]
+    assert any("linear_kv_up_proj" in u for u in result[1] or runs("cp1_mla")[1])
+    _assert_same(result, runs("cp1_mla"))
 
 
 def test_window_and_sink_change_training(runs):
@@ -244,6 +274,10 @@ def _train(name, args):
                 grads = _grad_slices(trainer.model[0].module)
     finally:
         trainer_module.microbatches = real_microbatches
+    from cp_ext.transformer.mla import ContextParallelMLASelfAttention
+
+    mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
+    history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
     trainer.shutdown(keep_process_group=True)
     return history, grads
 
