@@ -4,8 +4,9 @@ One 4-rank launch builds the same small GQA MoE model (fp32, random weights from
 CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model, one KV head for
 Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2; PP2 x CP2; TP2+SP x CP2; TP2+SP x PP2), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
-8192 tokens; and a model with GPT-OSS's attention (a window of 96 on layer 1 of 2, a learnable
-sink) at CP1, CP2 ring and CP4 hybrid. Checked:
+8192 tokens; a model with GPT-OSS's attention (a window of 96 on layer 1 of 2, a learnable
+sink) at CP1, CP2 ring and CP4 hybrid; and one with DeepSeek-V3's (MLA with q-LoRA and YaRN) at CP1,
+CP2 ring (which caches the latent) and CP4 hybrid. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
   * CP1's decode logits equal one full forward over prompt + generated tokens (the cache path
     itself is right, not only consistent);
@@ -22,6 +23,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--ffn-hidden-size", "128", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--seq-length", "64",
          "--seed", "7", "--train-iters", "1"]
 WINDOW = ["--window-size", "96,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable"]
+MLA = ["--multi-latent-attention", "--num-query-groups", "4", "--q-lora-rank", "24", "--kv-lora-rank", "32",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--rotary-scaling-factor", "4"]
+MLA_LATENT_RATIO = (32 + 8) / (4 * (16 + 8 + 16))  # cached values per token: latent vs 4 heads' K/V
 LAYOUTS = {
     "cp1": [],
     "cp2_ring": ["--context-parallel-size", "2"],
@@ -38,10 +42,15 @@ LAYOUTS = {
     "win_cp1": WINDOW,
     "win_cp2_ring": WINDOW + ["--context-parallel-size", "2"],
     "win_cp4_hybrid": WINDOW + ["--context-parallel-size", "4", "--ulysses-size", "2"],
+    # DeepSeek-V3's attention (q-LoRA, YaRN): the ring caches the latent, the hybrid per-head K/V
+    "mla_cp1": MLA,
+    "mla_cp2_ring": MLA + ["--context-parallel-size", "2"],
+    "mla_cp4_hybrid": MLA + ["--context-parallel-size", "4", "--ulysses-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
              "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
-             "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1"}
+             "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1", "mla_cp2_ring": "mla_cp1",
+             "mla_cp4_hybrid": "mla_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -69,7 +78,7 @@ def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
     assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5
@@ -82,6 +91,17 @@ def test_each_rank_holds_its_share_of_the_cache(results, layout):
     for rank in range(4):
         held = results[rank][layout]["8192"]["cache_bytes"]
         assert abs(held - full / cp) <= full / 8192 * NEW_TOKENS, (rank, held, full)
+
+
+def test_mla_ring_caches_the_latent(results):
+    """CP2 ring: each rank holds half the tokens, as latents ((kv_lora_rank + p) values each instead of
+    4 heads x (d_qk + d_v)); the CP4 hybrid (Ulysses: K/V) holds a quarter of CP1's K/V cache."""
+    full = results[0]["mla_cp1"]["8192"]["cache_bytes"]
+    for rank in range(4):
+        held = results[rank]["mla_cp2_ring"]["8192"]["cache_bytes"]
+        assert abs(held - full / 2 * MLA_LATENT_RATIO) <= full / 8192 * NEW_TOKENS * MLA_LATENT_RATIO, (rank, held, full)
+        held = results[rank]["mla_cp4_hybrid"]["8192"]["cache_bytes"]
+        assert abs(held - full / 4) <= full / 8192 * NEW_TOKENS, (rank, held, full)
 
 
 def _full_forward_logits(trainer, ids):
