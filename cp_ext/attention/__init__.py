@@ -17,7 +17,9 @@
 All of them live in dispatch.py, the one dispatcher, and take ``document_ids=None`` (packed
 documents, documents.py), ``window_size=None`` (sliding windows, ``(left, right)``, -1 unbounded),
 ``softmax_offset=None`` (attention sinks, ``[h]``) and a v whose head dim may differ from q/k's
-(MLA). masks.py turns the mask into each tile's blocks.
+(MLA). masks.py turns the mask into each tile's blocks. The ring, all-gather and local calls also
+take ``up_weight`` (MLA's latent exchange: k is the latent ``[c | k_pe]``, v None); kv_message.py
+holds what travels, the K/V pair or the latent.
 
 Building blocks: ``ring_attn_forward`` / ``ring_attn_backward`` on ``[b, h, s, d]``,
 ``RingComm``, ``update_out_and_lse`` and ``add_sink`` (utils.py), the differentiable ``all_to_all``,
