@@ -163,6 +163,9 @@ def _add_model_args(parser):
                         "ones of the batch (position)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
     g.add_argument("--norm-epsilon", type=number(float, 0, above=True), default=1e-5)
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize each head's q and k (Qwen3, OLMoE; --normalization's kind), and with "
+                        "--multi-latent-attention MLA's q-LoRA and K/V latents (DeepSeek-V2/V3), as Megatron-LM")
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--rotary-base", type=POSITIVE, default=10000)

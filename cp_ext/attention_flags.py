@@ -128,6 +128,10 @@ def mla_flag_problems(args):
     if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
         p.append(f"--num-query-groups {args.num_query_groups} does not apply to multi-latent attention (every head "
                  f"has its own K/V from the latent; Megatron-LM: mutually exclusive with GQA); drop it")
+    if getattr(args, "qk_layernorm", False) and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        p.append("--qk-layernorm with --multi-latent-attention at --tensor-model-parallel-size > 1 needs "
+                 "--sequence-parallel: without it the q-LoRA norm's gradient is the same on every TP rank and "
+                 "megatron-core's finalize_model_grads sums it over TP anyway; add --sequence-parallel")
     if getattr(args, "reset_position_ids", False):
         p.append("--reset-position-ids is not supported with --multi-latent-attention yet (MLA's layers build their "
                  "own RoPE, which takes no per-batch positions); drop it")

@@ -122,6 +122,7 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type,
         normalization=args.normalization,
+        qk_layernorm=args.qk_layernorm,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,

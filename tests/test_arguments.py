@@ -394,9 +394,11 @@ MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
         (MLA + ["--reset-position-ids"], 1, ["--reset-position-ids is not supported with --multi-latent-attention"]),
         (MLA + ["--context-parallel-size", "2", "--ulysses-size", "2", "--cp-mla-exchange", "latent"], 2,
          ["--cp-mla-exchange latent runs on the ring and all_gather", "U = 2"]),
+        (MLA + ["--qk-layernorm", "--tensor-model-parallel-size", "2"], 2,
+         ["--qk-layernorm with --multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"]),
     ],
     ids=["q-lora-without-mla", "yarn-without-mla", "mla-with-gqa", "odd-rope-dim", "mla-kv-channels",
-         "mla-reset-position-ids", "latent-on-ulysses"],
+         "mla-reset-position-ids", "latent-on-ulysses", "mla-qk-norm-tp-without-sp"],
 )
 def test_bad_mla_flags_name_the_flag(argv, world, must_name):
     message = _error(argv, world)
@@ -420,3 +422,5 @@ def test_mla_flags_reach_megatrons_mla_config():
     plain = parse_args([], world_size=1)
     assert (plain.kv_lora_rank, plain.qk_head_dim, plain.qk_pos_emb_head_dim, plain.v_head_dim) == (32, 128, 64, 128)
     assert not getattr(transformer_config_from_args(plain), "multi_latent_attention", False)
+    assert not transformer_config_from_args(plain).qk_layernorm
+    assert transformer_config_from_args(parse_args(["--qk-layernorm"], world_size=1)).qk_layernorm

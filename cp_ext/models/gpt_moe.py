@@ -45,10 +45,17 @@ def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
     rank's positions and the latent exchange, `cp_ext.transformer.mla`)."""
     mla = getattr(config, "multi_latent_attention", False)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization,
-                                    multi_latent_attention=mla)
+                                    multi_latent_attention=mla, qk_layernorm=config.qk_layernorm)
     layer = spec.submodules
     layer.input_layernorm = SequenceParallelNorm
     layer.pre_mlp_layernorm = SequenceParallelNorm
+    if config.qk_layernorm:  # megatron's local norm refuses SP; finalize_model_grads sums these over TP
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = SequenceParallelNorm
+        if mla:
+            attention.kv_layernorm = SequenceParallelNorm
+        else:
+            attention.k_layernorm = SequenceParallelNorm
     if mla:
         from cp_ext.transformer.mla import ContextParallelMLASelfAttention  # (it imports cp_ext.models.rope)
 

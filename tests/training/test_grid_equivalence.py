@@ -14,7 +14,7 @@ ring, Ulysses and the hybrid through the real model (RoPE at global positions, s
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 32
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 37
 layouts), each on its own grid of the same ranks, one after another.
 """
 
@@ -96,9 +96,18 @@ WINDOWS = {
                                  "2", "--expert-model-parallel-size", "2"]),
 }
 
-# DeepSeek-V3's attention: multi-latent attention with q-LoRA and YaRN (Megatron-LM's flags), against CP=1.
+# Qwen3's per-head q/k norms (--qk-layernorm), a replicated parameter seen by each TP rank's heads only.
+QK_NORM = {
+    "cp1_qknorm": (1, []),
+    "cp2_ring_qknorm": (2, ["--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_qknorm": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+                                 "2", "--expert-model-parallel-size", "2"]),
+}
+
+# DeepSeek-V3's attention: multi-latent attention with q-LoRA, its latent norms (--qk-layernorm) and YaRN
+# (Megatron-LM's flags), against CP=1.
 # `auto` exchanges the latent on the ring and all-gather at TP 1 and per-head K/V elsewhere.
-MLA_FLAGS = ["--multi-latent-attention", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
              "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4",
              "--mscale-all-dim", "1.0"]
 MLA = {
@@ -121,6 +130,7 @@ RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUME
 RUNS[UNMASKED_DOCS] = (1, [], "docs")
 RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDOWS.items()})
 RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
+RUNS.update({name: (n, flags + ["--qk-layernorm"], None) for name, (n, flags) in QK_NORM.items()})
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +194,15 @@ def test_multi_latent_attention_matches_single_process(layout, runs):
     result = runs(layout)
     assert result[0]["latent exchange"] == [layout in LATENT], result[0]["latent exchange"]
     assert any("linear_kv_up_proj" in u for u in result[1] or runs("cp1_mla")[1])
+    assert any("kv_layernorm" in u for u in runs("cp1_mla")[1])  # --qk-layernorm: MLA's latent norms
     _assert_same(result, runs("cp1_mla"))
+
+
+@pytest.mark.parametrize("layout", [k for k in QK_NORM if k != "cp1_qknorm"])
+def test_qk_layernorm_matches_single_process(layout, runs):
+    _assert_same(runs(layout), runs("cp1_qknorm"))
+    norms = [u for u in runs("cp1_qknorm")[1] if "q_layernorm" in u or "k_layernorm" in u]
+    assert len(norms) == 8 and all(runs("cp1_qknorm")[1][u].abs().max() > 0 for u in norms), norms
 
 
 def test_window_and_sink_change_training(runs):
