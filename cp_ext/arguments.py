@@ -660,20 +660,27 @@ def _attention_problems(args):
                  f"--attention-dropout 0")
     if kernel == "auto":  # auto always finds a kernel: unfused runs everything
         return p
-    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+    mla = args.multi_latent_attention
+    if not mla and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         return p  # the head dim itself is reported by validate_args
     import torch
 
     from cp_ext.attention.kernels import dtype_name, kernel_problem
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    v_head_dim = args.v_head_dim if mla else None  # MLA's own dims: q/k = qk_head_dim + the RoPE part, v
+    head_dim = (args.qk_head_dim + args.qk_pos_emb_head_dim if mla else
+                args.kv_channels or args.hidden_size // args.num_attention_heads)
     device = "cpu" if _runs_on_cpu(args) else "cuda"
-    reason = kernel_problem(kernel, dtype, head_dim, device)
+    reason = kernel_problem(kernel, dtype, head_dim, device, v_head_dim=v_head_dim)
     if reason:
         named = backend if kernel == backend else f"{backend} (cp_ext's {kernel} kernel)"
-        head = (f"--kv-channels {head_dim}" if args.kv_channels else
-                f"--hidden-size {args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
+        if mla:
+            head = (f"--qk-head-dim {args.qk_head_dim} + --qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} = "
+                    f"{head_dim}, --v-head-dim {v_head_dim}")
+        else:
+            head = (f"--kv-channels {head_dim}" if args.kv_channels else
+                    f"--hidden-size {args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
         p.append(f"--attention-backend {named} cannot run this model: {reason} (dtype {dtype_name(dtype)} "
                  f"{'from --bf16' if args.bf16 else 'without --bf16'}, head dim {head}, device {device} from "
                  f"--device {args.device}); use --attention-backend auto, which picks a kernel that fits, or change "

@@ -183,6 +183,9 @@ def _mla_exchange_problems(args):
         return ["--cp-mla-exchange latent applies to multi-latent attention (--multi-latent-attention), which this "
                 "model does not use; drop --cp-mla-exchange"]
     p = []
+    if getattr(args, "context_parallel_size", 1) == 1:
+        p.append("--cp-mla-exchange latent is what context parallelism sends, and --context-parallel-size 1 sends "
+                 "nothing; add --context-parallel-size N or drop --cp-mla-exchange")
     if getattr(args, "ulysses_size", 1) > 1 and set(getattr(args, "cp_comm_types", None) or ["a2a"]) != {"all_gather"}:
         p.append(f"--cp-mla-exchange latent runs on the ring and all_gather, but this run's CP groups use Ulysses "
                  f"(U = {args.ulysses_size}), which exchanges heads and the latent has none; use --cp-comm-type p2p "

@@ -366,7 +366,8 @@ def test_latent_exchange_refused_where_the_latent_cannot_travel():
 
     from cp_ext.attention_flags import _mla_exchange_problems
 
-    mla = dict(multi_latent_attention=True, ulysses_size=1, cp_comm_types=None, tensor_model_parallel_size=1)
+    mla = dict(multi_latent_attention=True, ulysses_size=1, cp_comm_types=None, tensor_model_parallel_size=1,
+               context_parallel_size=2)
     assert _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **mla)) == []
     assert _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, ulysses_size=2,
                                                                               cp_comm_types=["all_gather"]))) == []
@@ -374,6 +375,8 @@ def test_latent_exchange_refused_where_the_latent_cannot_travel():
     assert "U = 2" in ulysses and "--cp-mla-exchange kv" in ulysses
     (tp,) = _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, tensor_model_parallel_size=2)))
     assert "--tensor-model-parallel-size 1" in tp
+    (cp1,) = _mla_exchange_problems(Namespace(cp_mla_exchange="latent", **dict(mla, context_parallel_size=1)))
+    assert "--context-parallel-size 1 sends nothing" in cp1
     for exchange in ("auto", "kv"):
         assert _mla_exchange_problems(Namespace(cp_mla_exchange=exchange, **dict(mla, ulysses_size=2))) == []
 
@@ -424,3 +427,14 @@ def test_mla_flags_reach_megatrons_mla_config():
     assert not getattr(transformer_config_from_args(plain), "multi_latent_attention", False)
     assert not transformer_config_from_args(plain).qk_layernorm
     assert transformer_config_from_args(parse_args(["--qk-layernorm"], world_size=1)).qk_layernorm
+
+
+@pytest.mark.quick
+def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
+    """--attention-backend is checked against MLA's own head dims (q/k 256 + 64, v 128), not hidden / heads."""
+    message = _error(CUDA + ["--bf16", "--attention-backend", "flash", "--multi-latent-attention", "--qk-head-dim",
+                             "256", "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128"], 1)
+    assert "--qk-head-dim 256 + --qk-pos-emb-head-dim 64 = 320, --v-head-dim 128" in message, message
+    assert "at most 256" in message, message
+    parse_args(CUDA + ["--bf16", "--attention-backend", "flash", "--multi-latent-attention", "--qk-head-dim", "128",
+                       "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128"], world_size=1)  # 192 / 128 runs
