@@ -3,7 +3,7 @@
 One row per kernel x dtype x variant, as part 2's rows (`tools/gpu_check.py`): ``local_attention``
 (the dispatcher's local path: the kernel's band masks, row strips, head-dim padding and the sink's
 finish step) on ``s = 200`` tokens against float64 explicit attention with the same mask and sink
-on the CPU (`tests.attention.test_masks.explicit_attention`); "ref" is that explicit attention in
+on the CPU (`tests.attention.reference.explicit_attention`); "ref" is that explicit attention in
 the dtype on the device. Variants:
 
 * ``window 24 + sink``, causal, GQA 8/2, d 64: kernels that apply masks (cpu, efficient,
@@ -75,7 +75,7 @@ def mask_rows(device, deadline, dtypes, judge, row):
     """The rows of this part (``judge`` / ``row`` / ``dtypes``: gpu_check's); what was skipped, with why."""
     import time
 
-    from tests.attention.test_masks import explicit_attention
+    from tests.attention.reference import explicit_attention
 
     rows, skipped = [], []
     for label, var in VARIANTS.items():

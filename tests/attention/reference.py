@@ -257,3 +257,52 @@ def value_errors(calls):
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+# ----------------------------------------------------------------------------- masks, windows, sinks
+def sample_document_ids(b, s):
+    """Documents of lengths 5, 11, rest (sample 0) and 13, rest (sample 1), the last 3 tokens padding."""
+    import torch
+
+    ids = torch.zeros(b, s, dtype=torch.int64)
+    for i, cuts in enumerate(([5, 16], [13])):
+        for c in cuts:
+            ids[i, c:] += 1
+    ids[:, s - 3:] = -1
+    return ids
+
+
+def full_mask(case, b, s, device="cpu"):
+    """[b, s, s] True where query i sees key j under ``case``'s causal, window and documents
+    (`sample_document_ids`)."""
+    import torch
+
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    m = torch.ones(s, s, dtype=torch.bool)
+    if case["causal"]:
+        m &= j <= i
+    if case["window"]:
+        left, right = case["window"]
+        m &= (j >= i - left) if left >= 0 else m
+        m &= (j <= i + right) if right >= 0 else m
+    m = m.expand(b, s, s).clone()
+    if case["docs"]:
+        ids = sample_document_ids(b, s)
+        m &= (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    return m.to(device)
+
+
+def explicit_attention(q, k, v, offset, mask, scale):
+    """Attention with ``mask`` [b, s, s] and the sink, in q's dtype: q [s, b, h, d] -> out [s, b, h, dv]."""
+    import torch
+
+    qk, kk, vk = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    g = qk.shape[1] // kk.shape[1]
+    kk, vk = kk.repeat_interleave(g, 1), vk.repeat_interleave(g, 1)
+    scores = (qk @ kk.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
+    if offset is not None:
+        scores = torch.cat([scores, offset.view(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)], -1)
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    if offset is not None:
+        p = p[..., :-1]
+    return (p @ vk).permute(2, 0, 1, 3)

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.reference import init_four_ranks, value_errors  # noqa: E402
+from tests.attention.reference import (  # noqa: E402
+    explicit_attention, full_mask, init_four_ranks, sample_document_ids, value_errors,
+)
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -108,7 +110,6 @@ def _measure(case, groups, rank):
     import torch
     import torch.distributed as dist
 
-    from tests.attention.test_masks import _document_ids, explicit_attention, full_mask
 
     gen = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()))
     q = torch.randn(S, B, H, NOPE + POS, generator=gen, dtype=torch.float64)
@@ -127,7 +128,7 @@ def _measure(case, groups, rank):
 
     truth = run(lambda q_, lat, w, o: explicit_attention(q_, *up_project(lat, w), o, mask, scale))
     attn, pos = _variant(case, groups, rank)
-    ids = _document_ids(B, S)[:, pos] if case["docs"] else None
+    ids = sample_document_ids(B, S)[:, pos] if case["docs"] else None
     sh = lambda x: x.index_select(0, pos)  # noqa: E731
     got = run(lambda q_, lat, w, o: attn(q_, lat, w, o, ids), shard=sh)
     group = None if case["via"] == "local" else groups[2] if case["via"] == "ring2" else dist.group.WORLD

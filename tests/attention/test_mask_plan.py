@@ -151,7 +151,7 @@ def test_bad_attention_arguments_name_the_argument():
 def test_v_head_dim_of_its_own_on_every_cpu_kernel():
     """cpu pads v to q's head dim, unfused runs it natively: both equal explicit float64 attention."""
     from cp_ext.attention import local_attention
-    from tests.attention.test_masks import explicit_attention
+    from tests.attention.reference import explicit_attention
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(24, 2, 4, 20, generator=g, dtype=torch.float64), torch.randn(24, 2, 2, 20, generator=g,

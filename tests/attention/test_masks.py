@@ -32,7 +32,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.reference import FP32_ABS, FP32_ULP, RMS_FACTOR, U, init_four_ranks  # noqa: E402
+from tests.attention.reference import (  # noqa: E402
+    FP32_ABS, FP32_ULP, RMS_FACTOR, U, explicit_attention, full_mask, init_four_ranks, sample_document_ids,
+)
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -80,53 +82,6 @@ def _cases():
 
 
 CASES = _cases()
-
-
-def _document_ids(b, s):
-    """Documents of lengths 5, 11, rest (sample 0) and 13, rest (sample 1), the last 3 tokens padding."""
-    import torch
-
-    ids = torch.zeros(b, s, dtype=torch.int64)
-    for i, cuts in enumerate(([5, 16], [13])):
-        for c in cuts:
-            ids[i, c:] += 1
-    ids[:, s - 3:] = -1
-    return ids
-
-
-def full_mask(case, b, s, device="cpu"):
-    """[b, s, s] True where query i sees key j: causal, window and documents."""
-    import torch
-
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    m = torch.ones(s, s, dtype=torch.bool)
-    if case["causal"]:
-        m &= j <= i
-    if case["window"]:
-        left, right = case["window"]
-        m &= (j >= i - left) if left >= 0 else m
-        m &= (j <= i + right) if right >= 0 else m
-    m = m.expand(b, s, s).clone()
-    if case["docs"]:
-        ids = _document_ids(b, s)
-        m &= (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
-    return m.to(device)
-
-
-def explicit_attention(q, k, v, offset, mask, scale):
-    """Attention with ``mask`` [b, s, s] and the sink, in q's dtype: q [s, b, h, d] -> out [s, b, h, dv]."""
-    import torch
-
-    qk, kk, vk = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    g = qk.shape[1] // kk.shape[1]
-    kk, vk = kk.repeat_interleave(g, 1), vk.repeat_interleave(g, 1)
-    scores = (qk @ kk.transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
-    if offset is not None:
-        scores = torch.cat([scores, offset.view(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)], -1)
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    if offset is not None:
-        p = p[..., :-1]
-    return (p @ vk).permute(2, 0, 1, 3)
 
 
 def _variant(case, groups, rank):
@@ -213,11 +168,11 @@ def _measure(case, groups, rank):
     # cp_ext's own single-device path (CP = 1: the CPU kernel with the mask) is a single device too
     from cp_ext.attention import local_attention
 
-    full_ids = _document_ids(b, s) if case["docs"] else None
+    full_ids = sample_document_ids(b, s) if case["docs"] else None
     refs.append(run(lambda q_, k_, v_, o_: local_attention(q_, k_, v_, causal=case["causal"], window_size=case["window"],
                                                            document_ids=full_ids, softmax_offset=o_), torch.float32))
     attn, pos, merges = _variant(case, groups, rank)
-    ids = _document_ids(b, s)[:, pos] if case["docs"] else None
+    ids = sample_document_ids(b, s)[:, pos] if case["docs"] else None
     sh = lambda x: x.index_select(0, pos)  # noqa: E731
     got = run(lambda q_, k_, v_, o_: attn(sh(q_), sh(k_), sh(v_), o_, ids), torch.float32, shard=sh)
     if got[4] is not None:  # each rank holds its share of the sink's gradient: the group's sum is the whole

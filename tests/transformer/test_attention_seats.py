@@ -23,7 +23,7 @@ def test_mla_sink_and_window_seats(tmp_path):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from cp_ext.config import ContextParallelTransformerConfig
         from cp_ext.transformer.attention import CoreAttention
-        from tests.attention.test_masks import explicit_attention
+        from tests.attention.reference import explicit_attention
         g = torch.Generator().manual_seed(0)
         s, b, h = 24, 2, 4
         def mask(window):
