@@ -14,7 +14,7 @@ ring, Ulysses and the hybrid through the real model (RoPE at global positions, s
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 37
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 38
 layouts), each on its own grid of the same ranks, one after another.
 """
 
@@ -119,10 +119,13 @@ MLA = {
     "cp4_ulysses2_ring2_mla": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                    "--hierarchical-context-parallel-sizes", "2", "2"]),
     "pp2_cp2_mla": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    # full recompute, CP-aware: the latent ring's (out, LSE) kept, its backward replayed
+    "cp2_ring_mla_recompute": (2, ["--context-parallel-size", "2", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     "tp2cp2dp2_ep2_mla": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
                               "2", "--expert-model-parallel-size", "2"]),
 }
-LATENT = {"cp2_ring_mla", "cp2_all_gather_mla", "pp2_cp2_mla"}  # where the latent travels
+LATENT = {"cp2_ring_mla", "cp2_all_gather_mla", "pp2_cp2_mla", "cp2_ring_mla_recompute"}  # where the latent travels
 
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
@@ -193,6 +196,7 @@ def test_multi_latent_attention_matches_single_process(layout, runs):
     CP=1's; the latent is exchanged exactly where `auto` / --cp-mla-exchange say."""
     result = runs(layout)
     assert result[0]["latent exchange"] == [layout in LATENT], result[0]["latent exchange"]
+    assert (result[0]["replayed"] > 0) == layout.endswith("_recompute"), result[0]["replayed"]
     assert any("linear_kv_up_proj" in u for u in result[1] or runs("cp1_mla")[1])
     assert any("kv_layernorm" in u for u in runs("cp1_mla")[1])  # --qk-layernorm: MLA's latent norms
     _assert_same(result, runs("cp1_mla"))
@@ -292,10 +296,12 @@ def _train(name, args):
                 grads = _grad_slices(trainer.model[0].module)
     finally:
         trainer_module.microbatches = real_microbatches
+    from cp_ext.transformer.attention import CoreAttention
     from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 
     mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
     history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
+    history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
     trainer.shutdown(keep_process_group=True)
     return history, grads
 
