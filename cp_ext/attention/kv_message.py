@@ -66,19 +66,17 @@ class LatentKV:
     (this TP rank's heads), ``heads`` the query heads it serves, ``d_qk = d_nope + p``."""
 
     def __init__(self, weight: torch.Tensor, heads: int, d_qk: int, latent_dim: int):
-        rank = weight.shape[1]
-        if weight.dim() != 2 or weight.shape[0] % heads or latent_dim <= rank:
+        if weight.dim() != 2 or weight.shape[0] % heads or latent_dim <= weight.shape[1]:
             raise ValueError(f"latent exchange: linear_kv_up_proj weight {tuple(weight.shape)} must be "
                              f"[heads x (d_nope + d_v), kv_lora_rank] for {heads} heads, and the latent "
                              f"({latent_dim} wide) kv_lora_rank + qk_pos_emb_head_dim")
-        self.weight, self.heads, self.rank = weight.detach(), heads, rank
-        self.pos_dim = latent_dim - rank
+        self.weight, self.heads, self.rank = weight.detach(), heads, weight.shape[1]
+        self.pos_dim = latent_dim - self.rank
         self.d_nope = d_qk - self.pos_dim
         self.d_v = weight.shape[0] // heads - self.d_nope
         if self.d_nope <= 0 or self.d_v <= 0:
             raise ValueError(f"latent exchange: q head dim {d_qk}, qk_pos_emb_head_dim {self.pos_dim} and "
                              f"linear_kv_up_proj rows {weight.shape[0]} for {heads} heads leave no key / value dims")
-        self.d_qk = d_qk
         self.weight_grad = None  # this rank's share of d W_up (accumulated by add_grad)
 
     def pack(self, latent, v=None):

@@ -167,7 +167,6 @@ class CoreAttention(MegatronModule):
                 window_size=window, softmax_offset=offset, up_weight=up_weight,
             )
             return out.reshape(seq, batch, out_dim)
-        # [s, b, h, d] -> [b, h, s, d], the layout torch's SDPA kernels take.
         dropout_p = self.dropout_p if self.training else 0.0
         # An explicitly chosen kernel, packed documents (one kernel call per document), a window, a sink
         # or MLA's head dims: cp_ext's own local path (the same kernels and masks as CP > 1), no dropout.
@@ -184,7 +183,7 @@ class CoreAttention(MegatronModule):
                                   window_size=window, softmax_offset=offset, up_weight=up_weight)
             return out.reshape(seq, batch, out_dim)
         # "unfused" is torch's plain math; "auto" lets torch pick its fused kernel.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]: what torch's SDPA takes
         math_only = sdpa_kernel(SDPBackend.MATH) if self.kernel == "unfused" else contextlib.nullcontext()
         # Dropout inside attention acts on head-sharded data: use the TP-rank stream.
         with tensor_parallel.get_cuda_rng_tracker().fork(), math_only:

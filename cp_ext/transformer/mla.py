@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from cp_ext import parallel_state as cp_state
 from cp_ext.attention_flags import MLA_EXCHANGES
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
@@ -41,20 +42,16 @@ def _decoding_position(core_attention):
     return cache.position if cache is not None and cache.decoding else None
 
 
-def latent_bytes_ratio(heads, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, kv_lora_rank):
-    """Values per token of the latent over those of the per-head K/V it replaces."""
-    return (kv_lora_rank + qk_pos_emb_head_dim) / (heads * (qk_head_dim + qk_pos_emb_head_dim + v_head_dim))
-
-
 def latent_possible(cp: int, all_gather: bool, ulysses: int, tp: int) -> bool:
     """Whether a layer can exchange the latent: CP > 1 on the ring or all-gather, TP 1."""
     return cp > 1 and (all_gather or ulysses == 1) and tp == 1
 
 
 def takes_latent(exchange: str, possible: bool, config, heads: int) -> bool:
-    """``--cp-mla-exchange`` resolved: latent when asked, or (auto) where possible and smaller."""
-    smaller = latent_bytes_ratio(heads, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim,
-                                 config.kv_lora_rank) < 1
+    """``--cp-mla-exchange`` resolved: latent when asked, or (auto) where possible and smaller (values
+    per token: kv_lora_rank + p against the heads' K/V)."""
+    smaller = (config.kv_lora_rank + config.qk_pos_emb_head_dim
+               < heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim))
     return possible and (exchange == "latent" or (exchange == "auto" and smaller))
 
 
@@ -76,8 +73,6 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         """Whether this forward exchanges the latent (`--cp-mla-exchange`, resolved on the run's groups)."""
         if self.exchange == "kv":
             return False
-        from cp_ext import parallel_state as cp_state
-
         cp = self.pg_collection.cp.size()
         possible = (latent_possible(cp, self.core_attention.cp_comm_type == "all_gather",
                                     cp_state.get_ulysses_world_size(), self.pg_collection.tp.size())

@@ -78,3 +78,16 @@ def test_startup_line_says_what_auto_picked():
     got = attention_kernel_line(config, torch.device("cuda"))
     assert "picks kernel efficient (bf16" in got and "window 128,0 on layers [1, 3]" in got, got
     assert "attention sink learnable" in got, got
+    # MLA: its own head dims, and what CP exchanges per layer as the layers resolve --cp-mla-exchange
+    mla = dict(attention_kernel="auto", kv_channels=32, params_dtype=torch.float32, multi_latent_attention=True,
+               qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, kv_lora_rank=512, num_attention_heads=8,
+               tensor_model_parallel_size=1, num_layers=2, cp_comm_types=None, cp_mla_exchange="auto")
+    ring = attention_kernel_line(SimpleNamespace(**mla, context_parallel_size=2, ulysses_size=1), torch.device("cpu"))
+    assert "q/k head dim 192, v 128" in ring and "exchanges the latent on every layer, 576 values" in ring, ring
+    assert "instead of 2560" in ring, ring
+    mixed = attention_kernel_line(SimpleNamespace(**dict(mla, cp_comm_types=["a2a", "all_gather"]), context_parallel_size=2,
+                                                  ulysses_size=2), torch.device("cpu"))
+    assert "the latent on layers [2]" in mixed, mixed
+    kv = attention_kernel_line(SimpleNamespace(**dict(mla, cp_mla_exchange="kv"), context_parallel_size=2, ulysses_size=1),
+                               torch.device("cpu"))
+    assert "exchanges per-head K/V, 2560 values" in kv, kv
