@@ -3,10 +3,15 @@
 from dataclasses import dataclass
 from typing import List, Optional
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from cp_ext.arguments.network import GPT_OSS_YARN
 
 
 @dataclass
@@ -50,16 +55,6 @@ class ContextParallelMLATransformerConfig(ContextParallelTransformerConfig, MLAT
     """The same with megatron's multi-latent attention fields (``--multi-latent-attention``)."""
 
 
-def _mla_fields(args):
-    """MLATransformerConfig's fields from the MLA flags (Megatron-LM's names; rope_type None: MLA's yarn)."""
-    if not args.multi_latent_attention:
-        return {}
-    return dict(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
-                qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
-                rope_type=args.rope_type or "yarn", rotary_base=args.rotary_base,
-                rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
-
-
 def padded_vocab_size(vocab_size, divisible_by, tp_size):
     """The vocabulary padded to a multiple of ``divisible_by``, the same on every grid.
 
@@ -93,72 +88,45 @@ def aux_loss_layout_factor(args):
     return tp * args.context_parallel_size
 
 
+# Flags whose dest is a TransformerConfig field but whose value cp_ext sets itself (below), or that
+# steer an implementation cp_ext replaces: megatron's own attention backend and TE's CP types (cp_ext's
+# core attention runs instead), TE's grouped GEMM (SequentialMLP experts run), the deprecated MoE
+# recompute flag (folded into recompute_modules), and the softmax precision of megatron's attention.
+_NOT_COPIED = {"attention_backend", "cp_comm_type", "hierarchical_context_parallel_sizes", "moe_grouped_gemm",
+               "moe_layer_recompute", "transformer_impl", "attention_softmax_in_fp32", "rope_type", "window_size",
+               "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_ffn_hidden_size", "cp_aware_recompute"}
+
+
+def _one_to_one_fields(config_class, args):
+    """Every flag whose dest is a field of `config_class`, copied as is (Megatron-LM's own names)."""
+    names = {f.name for f in dataclasses.fields(config_class)} - _NOT_COPIED
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
+def _activation(args):
+    if args.quick_geglu:
+        return dict(activation_func=quick_gelu, gated_linear_unit=True)
+    return dict(activation_func=F.silu if args.swiglu else F.gelu, gated_linear_unit=args.swiglu)
+
+
 def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config_class = ContextParallelMLATransformerConfig if args.multi_latent_attention else ContextParallelTransformerConfig
-    return config_class(
-        **_mla_fields(args),
-        ulysses_size=args.ulysses_size,
+    config = config_class(
+        **_one_to_one_fields(config_class, args),
+        **_activation(args),
+        **(dict(rope_type=args.rope_type or "yarn") if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
-        attention_kernel=args.attention_kernel,
-        cp_comm_types=args.cp_comm_types,
-        cp_mla_exchange=args.cp_mla_exchange,
-        # activation recompute: megatron's own checkpointed forward does the work
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        recompute_modules=args.recompute_modules,
-        distribute_saved_activations=args.distribute_saved_activations,
-        # shape
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        # attention variants (cp_ext.attention_flags): megatron's fields, applied by CoreAttention
         window_size=None if args.window_size is None else tuple(args.window_size),
-        window_attn_skip_freq=args.window_attn_skip_freq,
-        softmax_type=args.softmax_type,
-        normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm,
         layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=False,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        # MoE
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size if args.num_experts else None,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        num_moe_experts=args.num_experts,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff * aux_loss_layout_factor(args),
         # megatron divides the z-loss coefficient by TP x CP and weights it by local tokens: the same
         # layout factor makes its gradient the single-rank one (tests/training/test_router_flags.py).
         moe_z_loss_coeff=None if args.moe_z_loss_coeff is None else args.moe_z_loss_coeff * aux_loss_layout_factor(args),
-        moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_router_dtype=args.moe_router_dtype,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_token_drop_policy=args.moe_token_drop_policy,
-        # parallelism
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel,
         # precision
-        bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # The per-token loss is summed and divided by the token count of the whole
@@ -169,10 +137,17 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         # `tensor_model_parallel` (tensor_parallel/layers.py), which the grad-norm and
         # clipping code reads. Without the tags TP ranks > 0 drop out of the grad norm.
         perform_initialization=True,
-        # fused kernels that exist only with apex/TE/CUDA
+        # fused kernels that exist only with apex/TE/CUDA (--no-*-fusion are accepted for that reason)
+        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    if args.enable_gpt_oss:
+        # As Megatron-LM's post-training builder: megatron-core reads these only where they exist
+        # (hasattr), so they are attributes of this run's config, not fields every config has.
+        for name, value in GPT_OSS_YARN.items():
+            setattr(config, name, value)
+    return config

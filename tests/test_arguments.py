@@ -7,7 +7,7 @@ import pytest
 from cp_ext.arguments import ConfigError, parse_args
 from tests.launch import REPO_ROOT, run_script
 
-MOE = ["--num-experts", "4", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "64"]
+MOE = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "64"]
 
 
 def _error(argv, world_size):
@@ -24,9 +24,9 @@ def _error(argv, world_size):
          ["world size 6", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"]),
         (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4", "--hidden-size", "48"], 3,
          ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
-        (["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--num-query-groups", "1"], 2,
+        (["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "1"], 2,
          ["--num-query-groups 1"]),
-        (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, ["--num-layers 3", "--pipeline-model-parallel-size 2"]),
+        (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, ["--num-layers 3", "--pipeline-model-parallel-size 2"]),
         (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, ["--global-batch-size 6", "--micro-batch-size 2"]),
         (MOE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, ["--num-experts 6", "--expert-model-parallel-size 4"]),
         (MOE + ["--tensor-model-parallel-size", "2"], 2, ["--sequence-parallel"]),
@@ -41,9 +41,9 @@ def _error(argv, world_size):
         (["--save-interval", "5"], 1, ["--save-interval 5 needs --save"]),
         (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "7"], 2,
          ["--make-vocab-size-divisible-by 7", "--tensor-model-parallel-size 2"]),
-        (["--context-parallel-size", "2", "--num-layers", "4", "--cp-comm-type", "p2p", "all_gather"], 2,
+        (["--context-parallel-size", "2", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--cp-comm-type", "p2p", "all_gather"], 2,
          ["--cp-comm-type lists 2 types", "--num-layers 4"]),
-        (["--context-parallel-size", "2", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], 2,
+        (["--context-parallel-size", "2", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], 2,
          ["--cp-comm-type mixes a2a and p2p", "all_gather with one other type"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2, ["--cp-comm-type", "all_gather"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--ulysses-size", "2"], 2,
@@ -73,7 +73,7 @@ def test_cp_comm_type_maps_onto_ulysses_size():
 
 def test_cp_comm_type_per_layer_lists():
     """Megatron's per-layer form: all_gather layers on the layout of the run's one other type."""
-    base = ["--seq-length", "64", "--num-layers", "4", "--context-parallel-size", "4"]
+    base = ["--seq-length", "64", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--context-parallel-size", "4"]
     args = parse_args(base + ["--cp-comm-type", "all_gather"], world_size=4)
     assert args.ulysses_size == 1 and args.cp_comm_types == ["all_gather"] * 4
     args = parse_args(base + ["--cp-comm-type", "a2a+p2p", "all_gather", "a2a+p2p", "all_gather",
@@ -84,7 +84,7 @@ def test_cp_comm_type_per_layer_lists():
 
 
 def test_all_problems_reported_together():
-    message = _error(["--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-experts", "3",
+    message = _error(["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--num-experts", "3",
                       "--expert-model-parallel-size", "2"], 2)
     assert "--num-layers 3" in message and "--num-experts 3" in message
 
@@ -97,7 +97,7 @@ def test_good_grid_derives_dp_and_batch():
 def test_yaml_supplies_defaults_and_flags_override(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("num-layers: 6\nhidden_size: 96\nnum-attention-heads: 4\nlr: 0.01\n")
-    args = parse_args(["--config", str(cfg), "--num-layers", "2"], world_size=1)
+    args = parse_args(["--config", str(cfg), "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2"], world_size=1)
     assert (args.num_layers, args.hidden_size, args.lr) == (2, 96, 0.01)
 
 
@@ -125,7 +125,7 @@ def test_bundled_configs_parse(monkeypatch):
 
 def test_bad_flags_fail_once_on_rank_0_before_any_work():
     """Two ranks, a bad grid: exit status 2 on every rank, one message, no hang."""
-    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
+    proc = run_script(2, REPO_ROOT / "pretrain_moe.py", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
                       torchrun=True, check=False, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("--num-layers 3 is not divisible by --pipeline-model-parallel-size 2") == 1, proc.stderr
@@ -142,7 +142,7 @@ FULL = ["--recompute-granularity", "full"]
         (FULL + ["--recompute-num-layers", "1"], 1, ["--recompute-granularity full needs --recompute-method"]),
         (FULL + ["--recompute-method", "uniform"], 1, ["needs --recompute-num-layers N, 1 <= N <= 2"]),
         (FULL + ["--recompute-method", "block", "--recompute-num-layers", "3"], 1, ["--recompute-num-layers 3", "2 layers"]),
-        (FULL + ["--recompute-method", "uniform", "--recompute-num-layers", "2", "--num-layers", "6",
+        (FULL + ["--recompute-method", "uniform", "--recompute-num-layers", "2", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "6",
                  "--pipeline-model-parallel-size", "2"], 2, ["--recompute-method uniform", "divide the 3 layers"]),
         (["--recompute-method", "block"], 1, ["--recompute-method block is only read with --recompute-granularity full"]),
         (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], 1,
@@ -151,7 +151,7 @@ FULL = ["--recompute-granularity", "full"]
         (MOE + ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], 1,
          ["--recompute-modules moe_act", "grouped-GEMM", "Use moe"]),
         (MOE + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"], 1,
-         ["--recompute-modules mlp", "this model is MoE"]),
+         ["--recompute-modules mlp", "every layer here is MoE"]),
         (["--recompute-granularity", "selective", "--recompute-modules", "moe"], 1,
          ["--recompute-modules moe", "this model is dense"]),
         (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], 1, ["mla_up_proj"]),
@@ -320,7 +320,7 @@ def test_evaluation_splits():
     [
         (["--window-size", "8,4"], ["--window-size 8,4 looks 4 tokens ahead", "--window-size 8,0"]),
         (["--window-attn-skip-freq", "2"], ["--window-attn-skip-freq is only read with --window-size"]),
-        (["--num-layers", "4", "--window-size", "8,0", "--window-attn-skip-freq", "[1,0]*3"],
+        (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--window-size", "8,0", "--window-attn-skip-freq", "[1,0]*3"],
          ["--window-attn-skip-freq lists 6 layers but --num-layers is 4"]),
         (CUDA + ["--bf16", "--attention-backend", "flash", "--window-size", "8,0"],
          ["--window-size needs a kernel that applies a window", "--attention-backend flash",
@@ -344,7 +344,7 @@ def test_window_and_sink_flags_reach_megatrons_config():
     """Megatron-LM's spellings and parsers (tuple_type, moe_freq_type), megatron's config fields."""
     from cp_ext.config import transformer_config_from_args
 
-    argv = ["--window-size", "(16,0)", "--window-attn-skip-freq", "[1,1,0]*2", "--num-layers", "6",
+    argv = ["--window-size", "(16,0)", "--window-attn-skip-freq", "[1,1,0]*2", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "6",
             "--softmax-type", "learnable"]
     cfg = transformer_config_from_args(parse_args(argv, world_size=1))
     assert cfg.window_size == (16, 0) and cfg.window_attn_skip_freq == [1, 1, 0, 1, 1, 0]
@@ -364,7 +364,7 @@ def test_latent_exchange_refused_where_the_latent_cannot_travel():
     latent needs the ring or all_gather and TP 1; auto and kv are always accepted."""
     from argparse import Namespace
 
-    from cp_ext.attention_flags import _mla_exchange_problems
+    from cp_ext.arguments.attention import _mla_exchange_problems
 
     mla = dict(multi_latent_attention=True, ulysses_size=1, cp_comm_types=None, tensor_model_parallel_size=1,
                context_parallel_size=2)
@@ -391,16 +391,15 @@ MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
     [
         (["--q-lora-rank", "12"], 1, ["--q-lora-rank applies to multi-latent attention", "--multi-latent-attention"]),
         (["--rope-type", "yarn"], 1, ["--rope-type yarn applies to multi-latent attention"]),
-        (MLA + ["--num-query-groups", "2"], 1, ["--num-query-groups 2 does not apply to multi-latent attention"]),
+        (MLA + ["--group-query-attention", "--num-query-groups", "2"], 1, ["--num-query-groups 2 does not apply to multi-latent attention"]),
         (MLA[:6] + ["5"] + MLA[7:], 1, ["--qk-pos-emb-head-dim 5 must be even"]),
-        (MLA + ["--kv-channels", "16"], 1, ["--kv-channels does not apply to multi-latent attention"]),
         (MLA + ["--reset-position-ids"], 1, ["--reset-position-ids is not supported with --multi-latent-attention"]),
         (MLA + ["--context-parallel-size", "2", "--ulysses-size", "2", "--cp-mla-exchange", "latent"], 2,
          ["--cp-mla-exchange latent runs on the ring and all_gather", "U = 2"]),
         (MLA + ["--qk-layernorm", "--tensor-model-parallel-size", "2"], 2,
          ["--qk-layernorm with --multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"]),
     ],
-    ids=["q-lora-without-mla", "yarn-without-mla", "mla-with-gqa", "odd-rope-dim", "mla-kv-channels",
+    ids=["q-lora-without-mla", "yarn-without-mla", "mla-with-gqa", "odd-rope-dim",
          "mla-reset-position-ids", "latent-on-ulysses", "mla-qk-norm-tp-without-sp"],
 )
 def test_bad_mla_flags_name_the_flag(argv, world, must_name):

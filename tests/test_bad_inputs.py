@@ -80,9 +80,9 @@ CASES = {
          "{no_eod}/tokenizer.json", "--data-path", "{no_eod}/corpus_text_document"], None,
         ["--eod-mask-loss", "--tokenizer-type HuggingFaceTokenizer --tokenizer-model", "has none", "drop the flag"]),
     # per-layer --cp-comm-type: the layers share one sequence layout
-    "cp-comm-type-mixes-layouts": (["--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], None,
+    "cp-comm-type-mixes-layouts": (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--cp-comm-type", "p2p", "a2a"], None,
                                    ["--cp-comm-type mixes a2a and p2p", "all_gather with one other type"]),
-    "cp-comm-type-list-length": (["--num-layers", "4", "--cp-comm-type", "p2p", "all_gather"], None,
+    "cp-comm-type-list-length": (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--cp-comm-type", "p2p", "all_gather"], None,
                                  ["--cp-comm-type lists 2 types", "--num-layers 4"]),
     # router: megatron's rules said before anything is built
     "top1-without-pre-softmax": (["--num-experts", "4", "--moe-router-topk", "1"], None, ["--moe-router-pre-softmax"]),

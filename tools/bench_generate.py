@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # name: (CP, Ulysses size); the ring is C / U
 LAYOUTS = {"1": (1, 1), "2 ring": (2, 1), "2 ulysses": (2, 2), "4 ring": (4, 1), "4 hybrid": (4, 2)}
-DEFAULT_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+DEFAULT_MODEL = ["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
                  "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--seq-length", "128", "--train-iters", "1"]
 
 

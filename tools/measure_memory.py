@@ -53,7 +53,7 @@ from cp_ext.perf.workers import run_workers  # noqa: E402
 
 # Attention-heavy CPU config: long sequence, small hidden, dense MLP, fp32, one microbatch.
 ATTN_HEAVY = [
-    "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--device", "cpu", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--ffn-hidden-size", "128", "--seq-length", "4096", "--micro-batch-size", "1",
     "--make-vocab-size-divisible-by", "128", "--train-iters", "1",
     "--lr", "1e-4",

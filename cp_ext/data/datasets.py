@@ -93,7 +93,7 @@ def _document_problems(args, tokenizer) -> list:
     """The packed-document flags need a tokenizer with an EOD token: without one (a HuggingFace
     vocabulary naming none gets an id past the vocabulary), no sample holds an EOD and the flags
     would silently do nothing."""
-    from cp_ext.arguments import document_flags_given
+    from cp_ext.data.arguments import document_flags_given
 
     flags = document_flags_given(args)
     if not flags or tokenizer.eod in tokenizer.inv_vocab:

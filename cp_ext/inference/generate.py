@@ -155,7 +155,9 @@ class Generator:
             hidden = self._from_previous_stage(1)
             model.decoder.set_input_tensor(hidden)  # what a stage without the embedding reads
         # the full table's row (MLA's layers rotate their own key at cache.position: cp_ext.transformer.mla)
-        rope = None if self.config.multi_latent_attention else model.rotary_pos_emb.get_emb(position + 1)[position:position + 1]
+        rotary = getattr(model, "rotary_pos_emb", None)  # None: MLA, learned or no positions
+        rope = None if rotary is None else rotary.at_positions(torch.tensor([position]), position + 1)
+        rope = rope[0] if isinstance(rope, tuple) else rope  # YaRN: mscale dropped, as GPTModel._preprocess drops it
         hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
         cache.finish_token()
         if not self.last_stage:

@@ -1,18 +1,25 @@
-"""The MoE GPT: megatron-core's `GPTModel` assembled from a layer spec that cp_ext owns.
+"""The MoE GPT: megatron-core's `GPTModel` from megatron's own decoder block spec, cp_ext's parts in its seats.
 
-The spec is megatron's local (non-TE) GPT layer spec with three seats re-filled:
+`get_gpt_decoder_block_spec` (megatron's local, non-TE modules) decides each layer from the config:
+MoE or dense by ``moe_layer_freq`` (dense-first layers), shared experts, MLA, qk-norm, biases,
+the activation. cp_ext then fills the seats it owns, in every layer spec:
 
     TransformerLayer
       input_layernorm    -> cp_ext SequenceParallelNorm        (SP without apex/TE)
       self_attention     -> megatron SelfAttention (RoPE, GQA), or with --multi-latent-attention
                             cp_ext ContextParallelMLASelfAttention (megatron's MLA: its RoPE at
                             this rank's positions, the latent exchange)
-        core_attention   -> cp_ext CoreAttention               (local today; CP-aware later)
+        q/k(v)_layernorm -> cp_ext SequenceParallelNorm        (--qk-layernorm; megatron's refuses SP)
+        core_attention   -> cp_ext CoreAttention               (every CP type, windows, sinks)
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
-      mlp                -> megatron MoELayer (TopKRouter + SequentialMLP experts)
+      mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
+        experts.linear_fc2 -> cp_ext ExpertRowParallelLinear   (biased experts: GPT-OSS)
     final_layernorm      -> cp_ext SequenceParallelNorm
-    rotary_pos_emb       -> cp_ext ContextParallelRotaryEmbedding (RoPE at global positions;
-                            at the batch's per-document positions with --reset-position-ids)
+
+`ContextParallelGPTModel` is megatron's GPTModel whose RoPE (rope or YaRN, with every option
+megatron built it with) returns the rows at this CP rank's global positions, or at the batch's
+per-document positions with --reset-position-ids (`cp_ext.models.rope`). Learned absolute
+positions need nothing: the batch already carries each token's global position id.
 
 Weights are initialized *layout-invariantly*: each parameter's full (unsharded)
 tensor is drawn from a generator seeded by (seed, the parameter's global checkpoint
@@ -28,29 +35,27 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cp_ext.models.layout import iter_global_slices
-from cp_ext.models.rope import ContextParallelRotaryEmbedding, use_batch_position_ids
+from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.experts import ExpertRowParallelLinear
 from cp_ext.transformer.norms import SequenceParallelNorm
 
 
-def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """One transformer layer as data: megatron's local spec with cp_ext's norms and attention
-    (with ``multi_latent_attention``, megatron's MLA spec with cp_ext's MLA seat: its RoPE at this
-    rank's positions and the latent exchange, `cp_ext.transformer.mla`)."""
+def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """cp_ext's norms and attention in the seats of one of megatron's layer specs (in place)."""
     mla = getattr(config, "multi_latent_attention", False)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization,
-                                    multi_latent_attention=mla, qk_layernorm=config.qk_layernorm)
-    layer = spec.submodules
-    layer.input_layernorm = SequenceParallelNorm
-    layer.pre_mlp_layernorm = SequenceParallelNorm
+    submodules = layer.submodules
+    submodules.input_layernorm = SequenceParallelNorm
+    submodules.pre_mlp_layernorm = SequenceParallelNorm
+    attention = submodules.self_attention.submodules
     if config.qk_layernorm:  # megatron's local norm refuses SP; finalize_model_grads sums these over TP
-        attention = layer.self_attention.submodules
         attention.q_layernorm = SequenceParallelNorm
         if mla:
             attention.kv_layernorm = SequenceParallelNorm
@@ -59,15 +64,44 @@ def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
     if mla:
         from cp_ext.transformer.mla import ContextParallelMLASelfAttention  # (it imports cp_ext.models.rope)
 
-        layer.self_attention.module = ContextParallelMLASelfAttention
-    layer.self_attention.submodules.core_attention = CoreAttention
-    return spec
+        submodules.self_attention.module = ContextParallelMLASelfAttention
+    attention.core_attention = CoreAttention
+    experts = getattr(submodules.mlp.submodules, "experts", None)  # MoE layers only
+    if experts is not None and experts.module is SequentialMLP:
+        experts.submodules.linear_fc2 = ExpertRowParallelLinear  # biased experts add in place
+    return layer
 
 
-def get_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """The decoder block of this pipeline stage: its layers and the final norm."""
-    num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[get_layer_spec(config)] * num_layers, layer_norm=SequenceParallelNorm)
+def get_decoder_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers and final norm: megatron's decoder block spec with cp_ext's seats."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+    for layer in {id(spec): spec for spec in block.layer_specs}.values():  # the dense and the MoE spec
+        fill_seats(layer, config)
+    block.layer_norm = SequenceParallelNorm
+    return block
+
+
+class ContextParallelGPTModel(GPTModel):
+    """megatron's GPTModel with RoPE at the positions this CP rank holds (see the module doc).
+
+    ``batch_position_ids``: RoPE at each forward's ``position_ids`` (--reset-position-ids) instead of
+    the layout's global positions."""
+
+    def __init__(self, config: TransformerConfig, *, cp_layout: str, batch_position_ids: bool = False, **kwargs):
+        super().__init__(config, **kwargs)
+        self.batch_position_ids = batch_position_ids
+        if hasattr(self, "rotary_pos_emb"):  # rope or yarn (MLA's layers rotate their own key)
+            self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb, layout=cp_layout)
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        rotary = getattr(self, "rotary_pos_emb", None)
+        if rotary is None or not self.batch_position_ids:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        rotary.position_ids = position_ids
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            rotary.position_ids = None  # nothing outside a forward sees stale ones
 
 
 def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None) -> GPTModel:
@@ -76,26 +110,24 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    model = GPTModel(
+    model = ContextParallelGPTModel(
         config=config,
-        transformer_layer_spec=get_block_spec(config),
+        cp_layout=config.cp_layout,
+        batch_position_ids=args.reset_position_ids,  # packed documents: RoPE at per-document positions
+        transformer_layer_spec=get_decoder_block_spec(config),
         vocab_size=padded_vocab_size,
-        max_sequence_length=args.seq_length,
+        max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
-    if not config.multi_latent_attention:  # (MLA's layers rotate their own RoPE key, at the same positions)
-        # The same RoPE table, sliced at the global positions this CP rank holds.
-        model.rotary_pos_emb = ContextParallelRotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=args.rotary_base,
-            rotary_interleaved=config.rotary_interleaved, layout=config.cp_layout,
-        )
-    if args.reset_position_ids:  # packed documents: RoPE at the batch's per-document positions
-        use_batch_position_ids(model)
     init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)
     return model
 

@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.dict_utils import merge
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-from cp_ext.attention_flags import MLA_FLAGS
+from cp_ext.arguments.attention import MLA_FLAGS
 from cp_ext.training.checkpoint_state import (
     CONTENT_METADATA,
     CheckpointContext,

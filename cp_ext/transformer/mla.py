@@ -31,7 +31,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from cp_ext import parallel_state as cp_state
-from cp_ext.attention_flags import MLA_EXCHANGES
+from cp_ext.arguments.attention import MLA_EXCHANGES
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 

@@ -207,26 +207,34 @@ DIM = 16
 
 @pytest.fixture
 def rope(monkeypatch):
-    """A ContextParallelRotaryEmbedding as CP rank 1 of a zigzag ring of 2 (megatron's table is built on
-    "the CUDA device": the CPU here, for this test only)."""
+    """megatron's RotaryEmbedding wrapped as CP rank 1 of a zigzag ring of 2 sees it (megatron's table is
+    built on "the CUDA device": the CPU here, for this test only)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     from cp_ext import parallel_state as cp_state
-    from cp_ext.models.rope import ContextParallelRotaryEmbedding
+    from cp_ext.models.rope import RotaryAtContextParallelPositions
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(cp_state, "get_context_parallel_positions",
                         lambda s, layout, device=None: context_parallel_positions(s, ring_rank=1, ring_size=2))
-    return ContextParallelRotaryEmbedding(kv_channels=DIM, rotary_percent=1.0, use_cpu_initialization=True)
+    inner = RotaryEmbedding(kv_channels=DIM, rotary_percent=1.0, use_cpu_initialization=True)
+    return RotaryAtContextParallelPositions(inner, layout="zigzag")
 
 
-def test_rope_without_position_ids_is_todays(rope):
+def _table(rope, length=64):
+    """megatron's own full table, [length, 1, 1, DIM]."""
+    return rope.inner(length, packed_seq=True)
+
+
+def test_rope_without_position_ids_is_the_layouts_rows(rope):
     out = rope(64)
-    expected = rope.get_emb(64).index_select(0, context_parallel_positions(64, ring_rank=1, ring_size=2))
+    expected = _table(rope).index_select(0, context_parallel_positions(64, ring_rank=1, ring_size=2))
     assert out.shape == (32, 1, 1, DIM) and torch.equal(out, expected)
-    assert rope(64) is out  # cached, as before
+    assert not torch.equal(out, _table(rope)[:32]), "rank 1 got rank 0's (or megatron's contiguous) rows"
 
 
 def test_rope_at_given_position_ids(rope):
-    table = rope.get_emb(64)[:, 0, 0]
+    table = _table(rope)[:, 0, 0]
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [5, 6, 7, 8, 0, 1]])  # [b, s_local], restarted per document
     rope.position_ids = position_ids
     out = rope(64)
@@ -240,6 +248,11 @@ def test_rope_at_given_position_ids(rope):
     assert rope(64).shape == (32, 1, 1, DIM)
 
 
+def test_rope_while_decoding_is_the_decoded_positions_row(rope):
+    rope.decode_position = lambda: 41
+    assert torch.equal(rope(1), _table(rope, 42)[41:42])
+
+
 def test_megatron_applies_per_sample_rope_over_heads(rope):
     """megatron's apply_rotary_pos_emb on [s, b, heads, dim] with [s, b, 1, dim] rows is each sample's RoPE."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -251,7 +264,7 @@ def test_megatron_applies_per_sample_rope_over_heads(rope):
     freqs = rope(64)
     q = torch.randn(8, 2, 3, DIM, generator=torch.Generator().manual_seed(0))
     out = apply_rotary_pos_emb(q, freqs, config, cp_group=object())
-    table = rope.get_emb(64)
+    table = _table(rope)
     for b in range(2):
         alone = apply_rotary_pos_emb(q[:, b:b + 1], table[position_ids[b]], config, cp_group=object())
         assert torch.equal(out[:, b:b + 1], alone)
@@ -278,7 +291,7 @@ def test_rope_hook_on_the_model(tmp_path):
         cp_state.initialize_context_parallel(1)
         model_parallel_cuda_manual_seed(1)
 
-        SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+        SHAPE = ["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
         def model(*flags, **kwargs):
             args = parse_args(SHAPE + list(flags), world_size=1)
             return build_model(transformer_config_from_args(args), args, 384, **kwargs)
@@ -296,7 +309,7 @@ def test_rope_hook_on_the_model(tmp_path):
 
         plain, packed = model(), model("--reset-position-ids")
         seen = rope_rows(packed)
-        table = packed.rotary_pos_emb.get_emb(16)[:, 0, 0]
+        table = packed.rotary_pos_emb.inner(16, packed_seq=True)[:, 0, 0]
         out = packed(tokens, per_doc, None)
         assert torch.equal(seen[-1], table[per_doc.t()].unsqueeze(2)), "first stage: rows at the position ids"
         assert packed.rotary_pos_emb.position_ids is None, "position ids kept after the forward"

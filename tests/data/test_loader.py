@@ -158,7 +158,7 @@ def worker():
                                                  context_parallel_size=cp)
         cp_state.initialize_context_parallel(u)
         args = parse_args([*opts.extra, "--seq-length", str(SEQ), "--global-batch-size", str(GBS),
-                           "--micro-batch-size", str(mbs), "--train-iters", str(ITERS), "--num-layers", "4",
+                           "--micro-batch-size", str(mbs), "--train-iters", str(ITERS), "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4",
                            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                            "--context-parallel-size", str(cp), "--ulysses-size", str(u), "--vocab-size", str(VOCAB),
                            *(["--cp-load-balance", "none"] if layout == "contiguous" else [])], world_size=4)

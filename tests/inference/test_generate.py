@@ -19,11 +19,11 @@ import pytest
 
 from tests.launch import launch, selected, worker_args, write_results
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+MODEL = ["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--seq-length", "64",
          "--seed", "7", "--train-iters", "1"]
 WINDOW = ["--window-size", "96,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable"]
-MLA = ["--multi-latent-attention", "--num-query-groups", "4", "--q-lora-rank", "24", "--kv-lora-rank", "32",
+MLA = ["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "4", "--q-lora-rank", "24", "--kv-lora-rank", "32",
        "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--rotary-scaling-factor", "4"]
 MLA_LATENT_RATIO = (32 + 8) / (4 * (16 + 8 + 16))  # cached values per token: latent vs 4 heads' K/V
 LAYOUTS = {
@@ -36,8 +36,8 @@ LAYOUTS = {
     "tp2sp_cp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
     "tp2sp_pp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"],
     # one KV head for 4 query heads: fewer KV heads than Ulysses ranks, replicated in the cache
-    "mqa_cp1": ["--num-query-groups", "1"],
-    "mqa_cp4_hybrid": ["--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
+    "mqa_cp1": ["--group-query-attention", "--num-query-groups", "1"],
+    "mqa_cp4_hybrid": ["--group-query-attention", "--num-query-groups", "1", "--context-parallel-size", "4", "--ulysses-size", "2"],
     # GPT-OSS's attention: a sliding window on every other layer (layer 1 of 2) and a learnable sink
     "win_cp1": WINDOW,
     "win_cp2_ring": WINDOW + ["--context-parallel-size", "2"],

@@ -20,7 +20,7 @@ from tests.launch import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "compare_cp.sh"
 TOOL = REPO_ROOT / "tools" / "compare_loss_curves.py"
 ITERS = 4
-FLAGS = ["--tensor-model-parallel-size", "1", "--num-layers", "2", "--train-iters", str(ITERS),
+FLAGS = ["--tensor-model-parallel-size", "1", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--train-iters", str(ITERS),
          "--lr-warmup-iters", "1", "--log-interval", "1", "--wandb-project", "cp_ext_test"]
 
 

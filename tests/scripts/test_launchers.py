@@ -18,7 +18,7 @@ SCRIPT = REPO_ROOT / "scripts" / "torchrun_single_node.sh"
 def test_torchrun_single_node_trains(tmp_path):
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     proc = subprocess.run([str(SCRIPT), "configs/cpu_demo.yaml", "--tensor-model-parallel-size", "1",
-                           "--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
+                           "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1",
                            "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # any cwd works
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -83,7 +83,7 @@ def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
 
 def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
     """A configuration error on every rank: the job fails and sbatch --wait says so."""
-    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--num-layers", "3",
+    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3",
                             "--pipeline-model-parallel-size", "2")
     assert proc.returncode != 0 and job, f"{proc.stdout}\n{proc.stderr}\n{log}"
     info = job_info(cluster, job)

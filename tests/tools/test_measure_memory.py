@@ -21,8 +21,8 @@ import measure_memory  # noqa: E402
 from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes  # noqa: E402
 from tests.launch import fork_workers  # noqa: E402
 
-FLAGS = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
+FLAGS = ["--device", "cpu", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
          "--train-iters", "1"]
 SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=384)  # ByteTokenizer 257 -> 384
 

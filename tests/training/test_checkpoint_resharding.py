@@ -15,7 +15,7 @@ import pytest
 
 from tests.launch import launch, selected, worker_args, write_results
 
-BASE = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+BASE = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
         "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1", "--device", "cpu"]
 DISTOPT = ["--use-distributed-optimizer"]

@@ -21,7 +21,7 @@ from cp_ext.arguments import ConfigError, parse_args
 from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
 from tests.launch import REPO_ROOT, run_script, start_script
 
-FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
          "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1", "--device", "cpu"]
 
@@ -89,7 +89,7 @@ def test_save_warns_when_the_disk_is_short(tmp_path, capsys):
 
     from cp_ext.training.checkpoint_checks import checkpoint_bytes_estimate
 
-    big = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000"]
+    big = ["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000"]
     args = parse_args(FLAGS + big + ["--save", str(tmp_path / "ck")], world_size=1)
     need = checkpoint_bytes_estimate(args)
     assert 25e9 * 12 < need < 30e9 * 12  # ~28B parameters (32 layers of 4096, 4 experts of 16384) x 12 B

@@ -18,7 +18,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, run_script, start_script
 
-FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
          "--lr-warmup-iters", "2", "--seed", "5", "--log-interval", "1"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.launch import launch, worker_args, write_results
 
-BASE = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+BASE = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
         "--lr-warmup-iters", "1", "--seed", "7", "--log-interval", "1", "--device", "cpu",
         "--eval-interval", "1", "--eval-iters", "2", "--split", "90,10,0"]

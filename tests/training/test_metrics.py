@@ -11,7 +11,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, run_script
 
-FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "2", "--seed", "3"]
 KEYS = {"iteration", "train/lm_loss", "train/load_balancing_loss", "train/grad_norm", "train/learning_rate",
         "train/tokens_per_second", "train/iteration_time_ms", "train/memory_bytes"}

@@ -24,8 +24,8 @@ def test_packed_sample_equals_documents_as_samples(tmp_path):
 
         lengths = [5, 1, 11, 7]
         s = sum(lengths)
-        args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                           "--num-query-groups", "2", "--seq-length", str(s), "--seed", "3",
+        args = parse_args(["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--group-query-attention", "--num-query-groups", "2", "--seq-length", str(s), "--seed", "3",
                            "--reset-attention-mask", "--reset-position-ids"], world_size=1)
         model = build_model(transformer_config_from_args(args), args, 384)
         g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ import pytest
 from tests.launch import launch, worker_args, write_results
 
 DENSE_MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
     "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
     "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0",
     "--device", "cpu",

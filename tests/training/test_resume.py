@@ -12,7 +12,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, run_script
 
-FLAGS = ["--num-experts", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--seed", "3"]
 
 

@@ -19,7 +19,7 @@ import pytest
 from tests.launch import launch, selected, worker_args, write_results
 
 MODEL = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
     "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "1",
     "--global-batch-size", "2", "--train-iters", "3", "--lr", "1e-2", "--seed", "5",
 ]

@@ -1,4 +1,5 @@
-"""Megatron-LM's attention-variant flags: --window-size, --window-attn-skip-freq, --softmax-type.
+"""Attention flags: the local kernel (--attention-backend), qk-norm, Megatron-LM's attention variants
+(--window-size, --window-attn-skip-freq, --softmax-type) and multi-latent attention.
 
 Spelled and parsed as Megatron-LM's ``arguments.py`` does (``tuple_type`` for the window,
 ``moe_freq_type`` for the skip frequency), carried into `TransformerConfig` under megatron's
@@ -27,6 +28,10 @@ And one of cp_ext's own (Megatron-LM has no such flag):
 """
 
 import argparse
+import os
+
+from cp_ext.arguments.parallel import runs_on_cpu
+from cp_ext.flag_types import layer_freq_type
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 MLA_EXCHANGES = ("auto", "kv", "latent")  # --cp-mla-exchange, read by cp_ext.transformer.mla
@@ -42,29 +47,6 @@ def window_type(text):
         raise argparse.ArgumentTypeError(f"expected L,R with integers >= -1 (-1: unbounded), such as 128,0; "
                                          f"got {text!r}")
     return values
-
-
-def layer_freq_type(text):
-    """Megatron's ``moe_freq_type``: an int N, or a Python list expression such as "[1,1,0]*2"."""
-    text = str(text).strip()
-    if "[" not in text:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer or a list expression such as [1,1,0]*2, "
-                                             f"got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-        return value
-    if any(c not in "0123456789[],*+ ()" for c in text):
-        raise argparse.ArgumentTypeError(f"expected a list expression of 0/1 such as [1,1,0]*2, got {text!r}")
-    try:
-        value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and +: a list expression only
-    except Exception:
-        raise argparse.ArgumentTypeError(f"cannot evaluate {text!r} as a list expression such as [1,1,0]*2") from None
-    if not isinstance(value, list) or any(x not in (0, 1) for x in value):
-        raise argparse.ArgumentTypeError(f"expected a list of 0 and 1 (1: windowed layer), got {value!r}")
-    return value
 
 
 def add_attention_args(g):
@@ -125,9 +107,9 @@ def mla_flag_problems(args):
          if getattr(args, d) is not None and getattr(args, d) <= 0]
     if args.qk_pos_emb_head_dim % 2:
         p.append(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs of dims)")
-    if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
+    if getattr(args, "group_query_attention", False) and args.num_query_groups != args.num_attention_heads:
         p.append(f"--num-query-groups {args.num_query_groups} does not apply to multi-latent attention (every head "
-                 f"has its own K/V from the latent; Megatron-LM: mutually exclusive with GQA); drop it")
+                 f"has its own K/V from the latent); drop --group-query-attention and --num-query-groups")
     if getattr(args, "qk_layernorm", False) and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         p.append("--qk-layernorm with --multi-latent-attention at --tensor-model-parallel-size > 1 needs "
                  "--sequence-parallel: without it the q-LoRA norm's gradient is the same on every TP rank and "
@@ -135,9 +117,6 @@ def mla_flag_problems(args):
     if getattr(args, "reset_position_ids", False):
         p.append("--reset-position-ids is not supported with --multi-latent-attention yet (MLA's layers build their "
                  "own RoPE, which takes no per-batch positions); drop it")
-    if args.kv_channels is not None:
-        p.append("--kv-channels does not apply to multi-latent attention (its head dims are --qk-head-dim, "
-                 "--qk-pos-emb-head-dim and --v-head-dim); drop it")
     return p
 
 
@@ -194,3 +173,84 @@ def _mla_exchange_problems(args):
         p.append("--cp-mla-exchange latent runs at --tensor-model-parallel-size 1 only (the latent's TP gradient "
                  "reduction is not built); use --cp-mla-exchange kv or auto")
     return p
+
+
+def add_attention_group(parser):
+    g = parser.add_argument_group("attention")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize each head's q and k (Qwen3, OLMoE; --normalization's kind), and with "
+                        "--multi-latent-attention MLA's q-LoRA and K/V latents (DeepSeek-V2/V3), as Megatron-LM")
+    add_attention_args(g)
+    add_mla_args(g)
+    g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
+                   choices=list(ATTENTION_BACKENDS),
+                   help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "
+                        "auto = per call, the first that fits dtype and head dim (CUDA: flash, else efficient, "
+                        "else unfused; CPU: cpu); flash = FlashAttention-2 in torch (fp16/bf16, head dim %% 8 == 0 "
+                        "and <= 256); fused = cuDNN fused attention (cudnn: fp16/bf16, head dim %% 8 == 0 and "
+                        "<= 128); unfused and local = plain PyTorch math (any dtype and head dim, s x s memory). "
+                        "cp_ext's kernels by name: efficient (fp32/fp16/bf16, head dim %% 8 == 0, %% 4 for fp32), "
+                        "cudnn, flash_attn and te (packages; fp16/bf16), cpu. Checked at parse time against "
+                        "--bf16, the head dim and --device. Default: $CP_EXT_ATTN_KERNEL if set, else auto")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron-LM's legacy spelling of --attention-backend flash where CUDA runs it; on CPU the "
+                        "startup line names the kernel that runs instead")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="accepted: cp_ext's kernels and LSE merges always compute the softmax in fp32")
+
+
+# --attention-backend: Megatron-LM's choices (megatron.core.transformer.enums.AttnBackend) and
+# cp_ext's kernel names, each mapped onto a kernel of cp_ext.attention.kernels ("auto": per call).
+ATTENTION_BACKENDS = {
+    "auto": "auto", "flash": "flash", "fused": "cudnn", "unfused": "unfused", "local": "unfused",
+    "efficient": "efficient", "cudnn": "cudnn", "flash_attn": "flash_attn", "te": "te", "cpu": "cpu",
+}
+
+
+def _attention_problems(args):
+    """The attention kernel against the dtype, head dim and device this run will use."""
+    backend, kernel = args.attention_backend, args.attention_kernel
+    if kernel is None:
+        return [f"--attention-backend {backend!r} (from the command line, --config or $CP_EXT_ATTN_KERNEL) is not "
+                f"one of {', '.join(ATTENTION_BACKENDS)}"]
+    p = []
+    if kernel not in ("auto", "unfused") and args.attention_dropout and args.context_parallel_size == 1:
+        p.append(f"--attention-dropout {args.attention_dropout} is not supported by --attention-backend {backend} "
+                 f"(cp_ext's kernels run without dropout); use --attention-backend auto or unfused, or set "
+                 f"--attention-dropout 0")
+    if kernel == "auto":  # auto always finds a kernel: unfused runs everything
+        return p
+    mla = args.multi_latent_attention
+    if not mla and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        return p  # the head dim itself is reported by validate_args
+    import torch
+
+    from cp_ext.attention.kernels import dtype_name, kernel_problem
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    v_head_dim = args.v_head_dim if mla else None  # MLA's own dims: q/k = qk_head_dim + the RoPE part, v
+    head_dim = (args.qk_head_dim + args.qk_pos_emb_head_dim if mla else
+                args.kv_channels or args.hidden_size // args.num_attention_heads)
+    device = "cpu" if runs_on_cpu(args) else "cuda"
+    reason = kernel_problem(kernel, dtype, head_dim, device, v_head_dim=v_head_dim)
+    if reason:
+        named = backend if kernel == backend else f"{backend} (cp_ext's {kernel} kernel)"
+        if mla:
+            head = (f"--qk-head-dim {args.qk_head_dim} + --qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} = "
+                    f"{head_dim}, --v-head-dim {v_head_dim}")
+        else:
+            head = (f"--kv-channels {head_dim}" if args.kv_channels else
+                    f"--hidden-size {args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
+        p.append(f"--attention-backend {named} cannot run this model: {reason} (dtype {dtype_name(dtype)} "
+                 f"{'from --bf16' if args.bf16 else 'without --bf16'}, head dim {head}, device {device} from "
+                 f"--device {args.device}); use --attention-backend auto, which picks a kernel that fits, or change "
+                 f"the model")
+    return p
+
+
+def fill_attention_defaults(args):
+    args.attention_kernel = ATTENTION_BACKENDS.get(args.attention_backend)  # None: reported by attention_problems
+
+
+def attention_problems(args):
+    return _attention_problems(args) + attention_flag_problems(args)

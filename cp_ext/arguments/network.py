@@ -1,0 +1,151 @@
+"""Network-size flags, as Megatron-LM spells them and with its defaults: shape, GQA, norms,
+activations, biases, position embeddings (learned, RoPE, YaRN) and the vocabulary.
+
+Each maps onto the `TransformerConfig` field of the same meaning (`cp_ext.config`); the
+defaults are Megatron-LM's, so a script that omits a flag builds what Megatron-LM builds
+(biases on, GeLU, LayerNorm, learned absolute positions). One deliberate difference: dropout
+defaults to 0, not 0.1 (cp_ext's CP attention runs without dropout; see --attention-dropout).
+"""
+
+from cp_ext.flag_types import FRACTION, POSITIVE, number
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
+# --enable-gpt-oss: the YaRN that Megatron-LM's post-training model builder sets for GPT-OSS
+# (megatron/post_training/model_builder.py), on megatron's yarn_* config fields.
+GPT_OSS_YARN = dict(yarn_rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=131072,
+                    yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+                    yarn_correction_range_round_to_int=False)
+
+
+def add_network_args(parser):
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=POSITIVE, default=2)
+    g.add_argument("--hidden-size", type=POSITIVE, default=64)
+    g.add_argument("--ffn-hidden-size", type=POSITIVE, default=None, help="defaults to 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=POSITIVE, default=4)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups K/V heads (Megatron-LM's: without this "
+                        "flag --num-query-groups is not read)")
+    g.add_argument("--num-query-groups", type=POSITIVE, default=None,
+                   help="with --group-query-attention: the K/V heads (Megatron-LM's default 1)")
+    g.add_argument("--kv-channels", type=POSITIVE, default=None, help="head dim; defaults to hidden/heads")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=number(float, 0, above=True), default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="gated linear unit with SiLU (default: GeLU MLP)")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated linear unit with quick-GeLU, x * sigmoid(1.702 x) (GPT-OSS)")
+    g.add_argument("--glu-linear-offset", type=number(float), default=0.0,
+                   help="gated units: act(x0) * (x1 + offset) (GPT-OSS: 1.0)")
+    g.add_argument("--activation-func-clamp-value", type=number(float, 0, above=True), default=None,
+                   help="with --quick-geglu: clamp linear_fc1's output to this value (GPT-OSS: 7.0)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True,
+                   help="no bias in the linear layers (Megatron-LM's default has them)")
+    g.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true",
+                   help="biases in every linear layer (the default)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias in the QKV projection only (Qwen2); implied by biases in every linear layer")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--init-method-std", type=number(float, 0, above=True), default=0.02)
+    g.add_argument("--hidden-dropout", type=FRACTION, default=0.0, help="default 0 (Megatron-LM's: 0.1)")
+    g.add_argument("--attention-dropout", type=FRACTION, default=0.0,
+                   help="default 0 (Megatron-LM's: 0.1); not supported under context parallelism")
+    g.add_argument("--vocab-size", type=POSITIVE, default=None, help="defaults to the tokenizer's")
+    g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE, default=128)
+    g.add_argument("--padded-vocab-size", type=POSITIVE, default=None,
+                   help="the padded vocabulary itself, instead of padding to --make-vocab-size-divisible-by")
+    g.add_argument("--bf16", action="store_true")
+    _add_position_embedding_args(g)
+
+
+def _add_position_embedding_args(g):
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
+                   help="learned_absolute (Megatron-LM's default; a table of --max-position-embeddings rows), rope, "
+                        "yarn (with --enable-gpt-oss, or MLA's --rope-type), or none (NoPE)")
+    g.add_argument("--max-position-embeddings", type=POSITIVE, default=None,
+                   help="rows of the learned position table, and RoPE's length; defaults to --seq-length")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated (Megatron-LM's): --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false", default=True,
+                   help="deprecated (Megatron-LM's): only with --position-embedding-type rope, where it is a no-op")
+    g.add_argument("--rotary-base", type=POSITIVE, default=10000)
+    g.add_argument("--rotary-percent", type=number(float, 0, 1, above=True), default=1.0,
+                   help="the fraction of each head's dims RoPE rotates")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rotate interleaved pairs (x0, x1), (x2, x3), ... instead of the two halves")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=POSITIVE, default=None,
+                   help="linear position interpolation: positions divided by this factor")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x's RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=number(float, 0, above=True), default=8.0,
+                   help="with --use-rope-scaling: Llama 3.x's factor")
+    g.add_argument("--enable-gpt-oss", action="store_true",
+                   help="GPT-OSS's YaRN (scaling 32 from 131072 positions, beta 32/1), as Megatron-LM's "
+                        "post-training builder sets it: --position-embedding-type yarn with those values")
+
+
+def fill_network_defaults(args):
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    # Megatron-LM: num_query_groups is read only with --group-query-attention (else every head has K/V).
+    args.num_query_groups_given = args.num_query_groups
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.enable_gpt_oss:
+        args.position_embedding_type = "yarn"
+    if args.add_bias_linear:
+        args.add_qkv_bias = True  # as in Megatron-LM: "keep the add-bias args in sync"
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+
+
+def network_problems(args):
+    p = []
+    if args.num_query_groups_given is not None and not args.group_query_attention \
+            and args.num_query_groups_given != args.num_attention_heads and not args.multi_latent_attention:
+        p.append(f"--num-query-groups {args.num_query_groups_given} is only read with --group-query-attention "
+                 f"(Megatron-LM ignores it otherwise, and every head keeps its own K/V); add --group-query-attention")
+    if args.num_attention_heads % args.num_query_groups:
+        p.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
+                 f"{args.num_query_groups}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads and not args.multi_latent_attention:
+        p.append(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                 f"{args.num_attention_heads}; set --kv-channels or change the sizes")
+    if args.swiglu and args.quick_geglu:
+        p.append("--swiglu and --quick-geglu choose the MLP's activation; give one")
+    if args.glu_linear_offset and not (args.swiglu or args.quick_geglu):
+        p.append(f"--glu-linear-offset {args.glu_linear_offset} is only read by a gated unit; add --quick-geglu "
+                 f"(GPT-OSS) or --swiglu, or drop it")
+    if args.activation_func_clamp_value is not None and not args.quick_geglu:
+        p.append("--activation-func-clamp-value is only read with --quick-geglu (megatron-core's quick-GeLU); add it "
+                 "or drop the clamp")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        p.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless RoPE is on); use "
+                 "--position-embedding-type none for no position embedding")
+    if args.position_embedding_type == "yarn" and not args.enable_gpt_oss and not args.multi_latent_attention:
+        p.append("--position-embedding-type yarn: megatron-core's YaRN for common attention reads its yarn_* values "
+                 "from what only --enable-gpt-oss sets (as in Megatron-LM); add --enable-gpt-oss, or use "
+                 "--multi-latent-attention (MLA's YaRN: --rotary-scaling-factor, --mscale)")
+    if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
+        p.append(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}, "
+                 f"the rows of the learned position table; raise --max-position-embeddings")
+    rope = args.position_embedding_type in ("rope", "yarn")
+    for flag, off in (("--rotary-interleaved", args.rotary_interleaved),
+                      ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor is not None),
+                      ("--use-rope-scaling", args.use_rope_scaling), ("--rotary-percent", args.rotary_percent != 1.0)):
+        if off and not rope and not args.multi_latent_attention:
+            p.append(f"{flag} is only read with RoPE; add --position-embedding-type rope or drop it")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        p.append("--use-rope-scaling scales plain RoPE's frequencies; it needs --position-embedding-type rope")
+    if args.rotary_interleaved and args.multi_latent_attention:
+        p.append("--rotary-interleaved is not supported with --multi-latent-attention (megatron-core refuses it); drop it")
+    if args.padded_vocab_size is not None and args.padded_vocab_size % args.tensor_model_parallel_size:
+        p.append(f"--padded-vocab-size {args.padded_vocab_size} is not divisible by --tensor-model-parallel-size "
+                 f"{args.tensor_model_parallel_size}")
+    if args.add_bias_linear and args.num_experts is not None and args.expert_tensor_parallel_size > 1:
+        p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) need "
+                 f"--expert-tensor-parallel-size 1, and it is {args.expert_tensor_parallel_size} (it defaults to "
+                 f"--tensor-model-parallel-size); add --expert-tensor-parallel-size 1 or --disable-bias-linear")
+    return p
