@@ -142,9 +142,6 @@ def moe_problems(args, on_cpu):
     if args.moe_token_dispatcher_type == "flex":
         p.append("--moe-token-dispatcher-type flex is megatron's DeepEP dispatcher: it needs CUDA and the deep_ep "
                  "package (pip install deep_ep on a GPU machine); use alltoall (the same routing) or allgather")
-    if args.moe_token_dispatcher_type == "alltoall" and on_cpu:
-        p.append("--moe-token-dispatcher-type alltoall needs CUDA (megatron's dispatcher uses CUDA streams); "
-                 "use --moe-token-dispatcher-type allgather on CPU")
     if tp > 1 and not args.sequence_parallel:
         p.append(f"MoE with --tensor-model-parallel-size {tp} requires --sequence-parallel "
                  f"(megatron-core's MoE layer needs it); add --sequence-parallel")
