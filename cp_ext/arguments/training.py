@@ -66,6 +66,9 @@ def _recompute_problems(args):
     if args.recompute_activations and granularity != "selective":
         p.append(f"--recompute-activations means --recompute-granularity selective, which contradicts "
                  f"--recompute-granularity {granularity}; give one of them")
+    if args.moe_layer_recompute and granularity == "full":
+        p.append("--moe-layer-recompute (selective recompute of the MoE layers) with --recompute-granularity full: "
+                 "megatron-core refuses the pair; drop --moe-layer-recompute (full recompute covers the MoE layers)")
     stage_layers = args.num_layers // args.pipeline_model_parallel_size
     if granularity == "full":
         if method is None:

@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.arguments import ConfigError, evaluation_splits
+from cp_ext.arguments.implementations import implementation_note
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
 from cp_ext.models.gpt_moe import build_model
@@ -171,6 +172,9 @@ class Trainer:
 
         self.config = transformer_config_from_args(args)
         print_rank_0(attention_kernel_line(self.config, self.device))
+        note = implementation_note(args, on_cpu=self.device.type == "cpu")
+        if note:  # flags naming an implementation that does not run here, and what runs instead
+            print_rank_0(f"implementations: {note}")
         model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
