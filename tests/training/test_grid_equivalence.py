@@ -12,9 +12,10 @@ The TP2+SP layout also checks the sequence-parallel norms: their gradients are o
 right if megatron's finalize_model_grads sums them over TP. The CP layouts cover the
 ring, Ulysses and the hybrid through the real model (RoPE at global positions, sharded
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
-is masked out.
+is masked out. Megatron-LM's five MoE scripts (tests/families) run on every CP type and grid,
+and megatron's alltoall dispatcher against the single-process allgather one.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 38
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 86
 layouts), each on its own grid of the same ranks, one after another.
 """
 
@@ -25,10 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.families import FAMILIES, tiny
 from tests.launch import launch, worker_args, write_results
 
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
     "--ffn-hidden-size", "64", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
     "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0",
@@ -107,7 +109,7 @@ QK_NORM = {
 # DeepSeek-V3's attention: multi-latent attention with q-LoRA, its latent norms (--qk-layernorm) and YaRN
 # (Megatron-LM's flags), against CP=1.
 # `auto` exchanges the latent on the ring and all-gather at TP 1 and per-head K/V elsewhere.
-MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--group-query-attention", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
              "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4",
              "--mscale-all-dim", "1.0"]
 MLA = {
@@ -127,6 +129,57 @@ MLA = {
 }
 LATENT = {"cp2_ring_mla", "cp2_all_gather_mla", "pp2_cp2_mla", "cp2_ring_mla_recompute"}  # where the latent travels
 
+# megatron's alltoall dispatcher (every script below uses it) on CPU/gloo through cp_ext.platform's shims,
+# against the single-process allgather run: EP all-to-all, expert-TP's uneven gather/scatter, with PP and
+# CP; and with shared experts overlapped on its communication (alltoall only, in megatron).
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+ALLTOALL = {
+    "dp4_ep2_alltoall": (4, ["--expert-model-parallel-size", "2"]),
+    "tp2sp_dp2_alltoall": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2pp2dp2_ep2_alltoall": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    "cp4_ulysses2_ring2_ep2_alltoall": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                            "--hierarchical-context-parallel-sizes", "2", "2",
+                                            "--expert-model-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_alltoall": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+                                   "2", "--expert-model-parallel-size", "2"]),
+}
+SHARED = ["--moe-shared-expert-intermediate-size", "24"]
+SHARED_EXPERTS = {
+    "cp1_shared": (1, []),
+    "cp2_ring_ep2_shared_overlap": (2, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"] + A2A
+                                    + ["--moe-shared-expert-overlap"]),
+    "tp2cp2dp2_ep2_shared_overlap": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                         "--context-parallel-size", "2", "--expert-model-parallel-size", "2"] + A2A
+                                     + ["--moe-shared-expert-overlap"]),
+}
+
+# Megatron-LM's own MoE scripts (tests/families: Mixtral, Qwen3-MoE, DeepSeek-V2-Lite, DeepSeek-R1 = V3's
+# architecture, GPT-OSS), their flags unchanged at toy sizes and in fp32, on every CP type and grid.
+FAMILY_LAYOUTS = {
+    "cp1": (1, []),
+    "cp2_ring": (2, ["--context-parallel-size", "2"]),
+    "cp2_ulysses": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
+    "cp2_all_gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    "cp2_recompute": (2, ["--context-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
+                          "uniform", "--recompute-num-layers", "1"]),
+    "cp4_ulysses2_ring2": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                               "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+}
+FAMILY_RUNS = {f"{family}_{layout}": (family, layout) for family in FAMILIES for layout in FAMILY_LAYOUTS}
+
+
+def family_args(family, layout_flags):
+    """The family's script flags at toy sizes, fp32 (no --bf16: exactness is checked at fp32), on a layout."""
+    tokens = [t for t in tiny(family) if t != "--bf16"]
+    if "--recompute-granularity" in layout_flags:  # full recompute replaces the script's selective one
+        tokens = [t for t in tokens if t not in ("--recompute-activations", "--moe-layer-recompute")]
+    return tokens + layout_flags
+
+
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
 RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
@@ -134,6 +187,10 @@ RUNS[UNMASKED_DOCS] = (1, [], "docs")
 RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDOWS.items()})
 RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
 RUNS.update({name: (n, flags + ["--qk-layernorm"], None) for name, (n, flags) in QK_NORM.items()})
+RUNS.update({name: (n, flags + A2A, None) for name, (n, flags) in ALLTOALL.items()})
+RUNS.update({name: (n, flags + SHARED, None) for name, (n, flags) in SHARED_EXPERTS.items()})
+RUNS.update({name: (FAMILY_LAYOUTS[layout][0], family_args(family, FAMILY_LAYOUTS[layout][1]), "family")
+             for name, (family, layout) in FAMILY_RUNS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +264,23 @@ def test_qk_layernorm_matches_single_process(layout, runs):
     _assert_same(runs(layout), runs("cp1_qknorm"))
     norms = [u for u in runs("cp1_qknorm")[1] if "q_layernorm" in u or "k_layernorm" in u]
     assert len(norms) == 8 and all(runs("cp1_qknorm")[1][u].abs().max() > 0 for u in norms), norms
+
+
+@pytest.mark.parametrize("layout", ALLTOALL)
+def test_alltoall_dispatcher_matches_single_process_allgather(layout, runs):
+    _assert_same(runs(layout), runs("tp1pp1dp1"))
+
+
+@pytest.mark.parametrize("layout", [k for k in SHARED_EXPERTS if k != "cp1_shared"])
+def test_shared_experts_overlapped_match_single_process(layout, runs):
+    _assert_same(runs(layout), runs("cp1_shared"))
+    assert any("shared_experts" in u for u in runs("cp1_shared")[1])
+
+
+@pytest.mark.parametrize("run", [name for name, (_, layout) in FAMILY_RUNS.items() if layout != "cp1"])
+def test_family_matches_single_process(run, runs):
+    family, _ = FAMILY_RUNS[run]
+    _assert_same(runs(run), runs(f"{family}_cp1"))
 
 
 def test_window_and_sink_change_training(runs):
@@ -290,8 +364,8 @@ def _train(name, args):
         history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
         for _ in range(3 if "--use-distributed-optimizer" in args else 2):
             metrics = trainer.train_step()
-            for key in history:
-                history[key].append(metrics[key])
+            for key in history:  # no load-balancing loss where its coefficient is 0 (GPT-OSS)
+                history[key].append(metrics.get(key, 0.0))
             if grads is None:
                 grads = _grad_slices(trainer.model[0].module)
     finally:
@@ -322,7 +396,7 @@ def worker():
     results = {"results_dir": opts.results_dir}
     for name in extra.layouts.split(","):
         _, flags, data = RUNS[name]
-        args = MODEL + flags + (["--data-path", extra.docs] if data == "docs" else [])
+        args = flags if data == "family" else MODEL + flags + (["--data-path", extra.docs] if data == "docs" else [])
         results[name], grads = _train(name, args)
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     write_results(opts.results_dir, results)
