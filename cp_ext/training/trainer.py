@@ -258,7 +258,10 @@ class Trainer:
         if "z_loss" in tracker:  # megatron logs rank 0's tokens only; the mean over all is the layout-free value
             tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         reduce_aux_losses_tracker_across_ranks()
-        num_moe_layers = self.config.num_layers
+        # megatron's count: the MoE layers of --moe-layer-freq (dense-first layers log no aux loss), plus MTP's
+        freq, layers = self.config.moe_layer_freq, self.config.num_layers
+        num_moe_layers = sum(freq) if isinstance(freq, list) else sum(1 for i in range(layers) if i % freq == 0)
+        num_moe_layers += self.config.mtp_num_layers or 0
         out = {}
         for name, entry in tracker.items():
             values = entry["values"].float() / self.num_microbatches
@@ -349,6 +352,7 @@ class Trainer:
         dist.barrier()
         if self.args.save:
             release_save_lock(self.args.save)
+        get_moe_layer_wise_logging_tracker().clear()  # megatron's is process-wide: no next Trainer sees our names
         if not keep_process_group:
             cp_state.destroy_context_parallel()
             parallel_state.destroy_model_parallel()
