@@ -111,11 +111,13 @@ class MetricsLogger:
         record["train/tokens_per_second"] = tokens_per_second
         record["train/iteration_time_ms"] = iteration_time_s * 1000.0
         record["train/memory_bytes"] = memory_bytes()
+        # TensorBoard first (it only queues): a run stopped between the two has in its events every
+        # iteration metrics.jsonl holds.
+        self.tensorboard.log_train(iteration, consumed_samples, metrics, iteration_time_s)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "iteration"}, step=iteration)
-        self.tensorboard.log_train(iteration, consumed_samples, metrics, iteration_time_s)
 
     def log_values(self, iteration, values):
         """A line of other values at `iteration` (evaluation: ``valid/lm_loss``, ...), to wandb too."""
