@@ -136,14 +136,15 @@ class MetricsLogger:
         self.log_values(iteration, {f"{split}/lm_loss": loss, f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))})
         self.tensorboard.log_evaluation(iteration, consumed_samples, split, loss)
 
-    def close(self):
-        """Idempotent: `Trainer.train` closes on the way out whether training ended or raised."""
+    def close(self, failed=False):
+        """Idempotent: `Trainer.train` closes on the way out whether training ended or raised
+        (``failed``: wandb marks the run failed, not finished)."""
         if not self.enabled or self.file.closed:
             return
         self.file.close()
         self.tensorboard.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=1 if failed else 0)
 
 
 def _init_wandb(args, config, run_dir):

@@ -268,10 +268,12 @@ class Trainer:
         tokens_per_iteration = args.global_batch_size * args.seq_length
         log = IterationLog(args, tokens_per_iteration=tokens_per_iteration)
         self.open_metrics()
+        ended = False
         try:
             history = self._train_loop(log, tokens_per_iteration)
+            ended = True
         finally:  # an error too: what metrics.jsonl, wandb and TensorBoard hold reaches the disk
-            self.metrics.close()
+            self.metrics.close(failed=not ended)
         if history:
             first = self.iteration - len(history) + 1
             print_rank_0(
@@ -332,11 +334,14 @@ class Trainer:
     def evaluate_only(self):
         """--skip-train: the valid and test splits once, at the loaded iteration (Megatron's wording)."""
         self.open_metrics()
+        ended = False
         try:
-            return {split: evaluate_and_report(self, split, f"iteration {self.iteration} on {SPLIT_NAMES[split]} set")
-                    for split in self.eval_datasets}
+            results = {split: evaluate_and_report(self, split, f"iteration {self.iteration} on {SPLIT_NAMES[split]} set")
+                       for split in self.eval_datasets}
+            ended = True
+            return results
         finally:
-            self.metrics.close()
+            self.metrics.close(failed=not ended)
 
     def report_peak_memory(self):
         """Rank 0 prints every rank's peak memory (metrics.jsonl holds rank 0's only)."""
