@@ -287,8 +287,13 @@ def fork_workers(script, nproc, args, timeout=600, env=None):
     """`cp_ext.perf.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
     on ``nproc`` ranks, each rank's ``DIR/rank{r}.json`` in rank order. For tests of what a tool
     measures; tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
+    from cp_ext.perf.workers import WorkerConfigError, read_config_error
+
     out = Path(tempfile.mkdtemp(prefix="workers_", dir=session_dir()))
-    run_script(nproc, script, "--worker", "--out", out, *args, timeout=timeout, env=env)
+    proc = run_script(nproc, script, "--worker", "--out", out, *args, timeout=timeout, env=env, check=False)
+    if proc.returncode != 0 and read_config_error(out) is not None:  # as run_workers: the rank's message
+        raise WorkerConfigError(read_config_error(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -21,8 +21,12 @@ For one config (trainer flags, as `pretrain_moe.py` takes them) this launches th
   backward also the fp32 dK/dV), and added to the saved bytes of its moment: the activation
   peak of an all_gather run is the larger of the two peaks.
 
-Keep PP = 1 and one microbatch per iteration (the default global batch), so the whole
-forward is alive at once.
+PP = 1, so the whole forward is alive at once. One microbatch is measured: a training run's
+flags with --global-batch-size above --micro-batch-size x DP are measured at --global-batch-size
+= --micro-batch-size x DP, and the output says so (at PP 1 megatron runs each microbatch's forward
+and backward before the next, so an iteration's activation peak is one microbatch's). A flag the
+trainer refuses is one ``configuration error`` message and exit status 2, whether the tool or a
+rank finds it (then without torchrun's report).
 
     python tools/measure_memory.py --cp 2                      # the attention-heavy preset
     python tools/measure_memory.py --cp 2 --ulysses-size 2     # same, Ulysses
@@ -49,7 +53,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from cp_ext.perf.workers import run_workers  # noqa: E402
+from cp_ext.perf.workers import WorkerConfigError, run_workers, write_config_error  # noqa: E402
 
 # Attention-heavy CPU config: long sequence, small hidden, dense MLP, fp32, one microbatch.
 ATTN_HEAVY = [
@@ -215,13 +219,8 @@ def measure(trainer_flags, world_size):
     from cp_ext.platform import memory_bytes
     from cp_ext.training.trainer import Trainer
 
-    args = parse_args(trainer_flags, world_size=world_size)
-    if args.pipeline_model_parallel_size != 1:
-        raise SystemExit("measure_memory.py: use --pipeline-model-parallel-size 1 (the sum assumes one live forward)")
+    args = parse_args(one_microbatch(trainer_flags, world_size)[0], world_size=world_size)
     trainer = Trainer(args)
-    if trainer.num_microbatches != 1:
-        raise SystemExit(f"measure_memory.py: {trainer.num_microbatches} microbatches; set --global-batch-size "
-                         f"= --micro-batch-size x DP for one")
     param_ptrs = set()
     for p in trainer.model[0].parameters():
         param_ptrs.add(p.untyped_storage().data_ptr())
@@ -273,6 +272,30 @@ def measure(trainer_flags, world_size):
     return record
 
 
+def one_microbatch(trainer_flags, world_size):
+    """(flags, note): the flags of one run, validated as the trainer would (ConfigError), with
+    --global-batch-size set to one microbatch (--micro-batch-size x DP) where it was more, and the
+    note saying so (None when the flags already make one microbatch).
+
+    Memory peaks per microbatch are what a run's flags are checked for: at PP 1 megatron's schedule
+    runs each microbatch's forward and backward before the next, so more microbatches add time,
+    not activations (the gradient buffers are there once either way)."""
+    from cp_ext.arguments import ConfigError, parse_args
+
+    args = parse_args(trainer_flags, world_size=world_size)
+    if args.pipeline_model_parallel_size != 1:
+        raise ConfigError(f"  - --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: measure_memory.py "
+                          f"measures PP 1 (its sum assumes one live forward); give --pipeline-model-parallel-size 1")
+    one = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size == one:
+        return list(trainer_flags), None
+    note = (f"note: --global-batch-size {args.global_batch_size} is {args.global_batch_size // one} microbatches of "
+            f"--micro-batch-size {args.micro_batch_size} x DP {args.data_parallel_size} per iteration; measuring one "
+            f"(--global-batch-size {one}): at PP 1 each microbatch's forward and backward runs before the next, so "
+            f"the per-iteration activation peak is one microbatch's")
+    return list(trainer_flags) + ["--global-batch-size", str(one)], note  # argparse keeps the last value
+
+
 def _worker(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -281,25 +304,38 @@ def _worker(argv):
 
     import torch
 
+    from cp_ext.arguments import ConfigError
+
     faulthandler.dump_traceback_later(int(os.environ.get("CP_EXT_MEASURE_TIMEOUT", "540")), exit=True)  # a hang shows where
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    record = measure(rest, world)
+    try:
+        record = measure(rest, world)
+    except ConfigError as e:  # found once the data is open (a split too small, ...): the tool says it once
+        write_config_error(known.out, int(os.environ.get("RANK", "0")), e)
+        sys.exit(2)
     Path(known.out, f"rank{record['rank']}.json").write_text(json.dumps(record))
 
 
-def run(cp, trainer_flags, ulysses_size=None, timeout=600, comm_type=None):
-    """Launch one measurement on `cp` ranks with --context-parallel-size cp; returns per-rank records.
-
-    ``comm_type``: None (the attention the CP groups pick) or ``"all_gather"`` (``--cp-comm-type
-    all_gather``: every layer all-gathers K/V over the CP group, on the ring's layout).
-    """
+def run_flags(cp, trainer_flags, ulysses_size=None, comm_type=None):
+    """The trainer flags of the run on `cp` ranks with --context-parallel-size cp, one microbatch."""
     flags = list(trainer_flags) + ["--context-parallel-size", str(cp)]
     all_gather = comm_type == "all_gather" and cp > 1
     if all_gather:
         flags += ["--cp-comm-type", "all_gather"]
     elif ulysses_size and cp > 1:
         flags += ["--ulysses-size", str(ulysses_size)]
+    return one_microbatch(flags, cp)
+
+
+def run(cp, trainer_flags, ulysses_size=None, timeout=600, comm_type=None):
+    """Launch one measurement on `cp` ranks with --context-parallel-size cp; returns per-rank records.
+
+    ``comm_type``: None (the attention the CP groups pick) or ``"all_gather"`` (``--cp-comm-type
+    all_gather``: every layer all-gathers K/V over the CP group, on the ring's layout). The flags are
+    checked here first (`one_microbatch`): a ConfigError before any rank starts.
+    """
+    flags, _ = run_flags(cp, trainer_flags, ulysses_size, comm_type)
     records = run_workers(__file__, cp, flags, timeout=timeout)
     return sorted(records, key=lambda r: r["rank"])
 
@@ -435,6 +471,20 @@ def main(argv=None):
                    help="after --: trainer flags (default: the attention-heavy preset)")
     args = p.parse_args(argv)
     flags = [f for f in args.trainer_flags if f != "--"] or ATTN_HEAVY
+    from cp_ext.arguments import ConfigError
+
+    try:
+        return _measure_and_report(args, flags)
+    except (ConfigError, WorkerConfigError) as e:  # the tool's check or a rank's: one message, no traceback
+        print(f"measure_memory.py: configuration error:\n{e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _measure_and_report(args, flags):
+    # Both runs' flags checked before the first launch; the one-microbatch note said once.
+    notes = {run_flags(n, flags, args.ulysses_size, c)[1] for n in (1, args.cp) for c in args.cp_comm_types}
+    for note in sorted(n for n in notes if n):
+        print(note, flush=True)
     if args.modes or args.seq_lengths:
         rows, ok = table(args.cp, flags, args.modes or ["none"], args.seq_lengths or [None], args.ulysses_size,
                          args.max_ratio, args.planner_tolerance, args.verbose, args.cp_comm_types)

@@ -13,7 +13,7 @@ with its flags, the defaults that depend on other flags, and its rules:
     parallelism  cp_ext.arguments.parallel         TP x PP x CP x DP (x EP), Ulysses x ring, device
     training     cp_ext.arguments.training         batches, schedule, Adam, recompute
     data         cp_ext.data.arguments             datasets, splits, evaluation, tokenizer, documents
-    logging      cp_ext.arguments.logging
+    logging      cp_ext.arguments.logging          run directory, wandb, TensorBoard
     checkpoints  cp_ext.arguments.checkpointing
     (others)     cp_ext.arguments.implementations  numerically equal implementation choices
 
@@ -29,7 +29,7 @@ from cp_ext.arguments.attention import ATTENTION_BACKENDS  # noqa: F401 (re-expo
 from cp_ext.arguments.attention import add_attention_group, attention_problems, fill_attention_defaults
 from cp_ext.arguments.checkpointing import add_checkpoint_args, checkpoint_flag_problems
 from cp_ext.arguments.implementations import add_implementation_args, modelopt_flags, modelopt_problem
-from cp_ext.arguments.logging import add_logging_args
+from cp_ext.arguments.logging import add_logging_args, logging_problems
 from cp_ext.arguments.moe import add_moe_args, fill_moe_defaults, moe_problems
 from cp_ext.arguments.network import add_network_args, fill_network_defaults, network_problems
 from cp_ext.arguments.parallel import add_parallel_args, fill_parallel_defaults, parallel_problems, runs_on_cpu
@@ -93,6 +93,7 @@ def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = parallel_problems(args) + network_problems(args) + moe_problems(args, runs_on_cpu(args))
     p += attention_problems(args) + training_problems(args) + data_problems(args) + checkpoint_flag_problems(args)
+    p += logging_problems(args)
     if (args.load or args.save or args.finetune) and not p:
         from cp_ext.training.checkpoint_checks import checkpoint_problems
 

@@ -5,7 +5,9 @@
 The worker is ``script --worker --out DIR args``; rank r writes ``DIR/rank{r}.json``. The
 directory is a fresh temp directory removed before this returns, whatever happens. torchrun
 starts in a session of its own, so a timeout kills torchrun *and* its ranks: no orphan waits
-forever in a collective. Failures raise `WorkerError` with the job's last output.
+forever in a collective. Failures raise `WorkerError` with the job's last output; a rank that
+refused its configuration (`write_config_error`, then exit 2) raises `WorkerConfigError` with
+that message alone, for the tool to print once without torchrun's report or a traceback.
 """
 
 import json
@@ -24,6 +26,23 @@ class WorkerError(RuntimeError):
     """The job exited non-zero, timed out, or a rank wrote no record."""
 
 
+class WorkerConfigError(WorkerError):
+    """A rank refused its configuration (a ConfigError, found where the data or the grid is built):
+    the message, as the rank wrote it."""
+
+
+def write_config_error(out_dir, rank, message):
+    """A worker's side: leave the configuration error for the tool (each rank its own file, since
+    torchrun may end the others before the first rank to fail has written)."""
+    Path(out_dir, f"config_error.rank{rank}.txt").write_text(str(message))
+
+
+def read_config_error(out_dir) -> Optional[str]:
+    """The first rank's configuration error in ``out_dir``, if any rank wrote one."""
+    found = sorted(Path(out_dir).glob("config_error.rank*.txt"), key=lambda p: int(p.name[17:-4]))
+    return found[0].read_text() if found else None
+
+
 def run_workers(script, nproc: int, args: Sequence[str], timeout: Optional[float] = 600, env=None) -> List[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(script).resolve()), "--worker"]
@@ -40,6 +59,9 @@ def run_workers(script, nproc: int, args: Sequence[str], timeout: Optional[float
             stdout, stderr = child.communicate()
             raise WorkerError(f"{' '.join(full)} did not finish within {timeout} s\n{stderr[-4000:]}") from None
         if child.returncode != 0:
+            refused = read_config_error(out)
+            if refused is not None:
+                raise WorkerConfigError(refused)
             raise WorkerError(f"{' '.join(full)} exited {child.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
         paths = [Path(out, f"rank{r}.json") for r in range(nproc)]
         missing = [p.name for p in paths if not p.exists()]

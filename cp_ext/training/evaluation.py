@@ -68,9 +68,9 @@ def validation_block(prefix, loss):
 
 
 def evaluate_and_report(trainer, split, prefix):
-    """Evaluate `split`, print Megatron's block on rank 0, log ``<split>/lm_loss(_ppl)``; returns the loss."""
+    """Evaluate `split`, print Megatron's block on rank 0, log ``<split>/lm_loss(_ppl)`` (and TensorBoard's
+    ``lm loss validation``); returns the loss."""
     loss = evaluate(trainer, trainer.eval_datasets[split], trainer.args.eval_iters)
     print_rank_0(validation_block(prefix, loss))
-    trainer.metrics.log_values(trainer.iteration, {f"{split}/lm_loss": loss,
-                                                   f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))})
+    trainer.metrics.log_evaluation(trainer.iteration, trainer.consumed_samples, split, loss)
     return loss

@@ -2,7 +2,8 @@
 
 One JSON object per iteration (``{"iteration": 3, "train/lm_loss": ..., ...}``), written
 by rank 0, which holds every reduced metric (the trainer all-reduces the last pipeline
-stage's loss to all ranks). wandb gets the same keys with ``step=iteration``.
+stage's loss to all ranks). wandb gets the same keys with ``step=iteration``, and
+--tensorboard-dir the same values under Megatron-LM's names (`cp_ext.training.tensorboard`).
 
 wandb is best-effort by design: ``WANDB_MODE=offline|disabled`` are wandb's own switches;
 ``WANDB_DISABLED=true`` (the Hugging Face convention, which wandb itself ignores) is
@@ -15,10 +16,13 @@ import os
 import time
 from pathlib import Path
 
+import math
+
 import yaml
 
 from cp_ext.platform import memory_bytes
 from cp_ext.training.logging import is_rank_0, print_rank_0
+from cp_ext.training.tensorboard import TensorBoardWriter
 
 METRIC_KEYS = {
     "lm loss": "train/lm_loss",
@@ -41,6 +45,7 @@ class MetricsLogger:
     def __init__(self, args, start_iteration=0):
         self.enabled = is_rank_0()
         self.wandb_run = None
+        self.tensorboard = None
         if not self.enabled:
             return
         self.dir = Path(args.log_dir)
@@ -55,6 +60,7 @@ class MetricsLogger:
         self.file = open(self.path, "a")
         if args.wandb_project:
             self.wandb_run = _init_wandb(args, config, self.dir)
+        self.tensorboard = TensorBoardWriter(args, start_iteration)
 
     def _move_aside_previous_run(self):
         """A run starting at iteration 0 never writes over another run's numbers: a non-empty
@@ -94,7 +100,7 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
 
-    def log(self, iteration, metrics, tokens_per_second, iteration_time_s):
+    def log(self, iteration, metrics, tokens_per_second, iteration_time_s, consumed_samples):
         if not self.enabled:
             return
         record = {"iteration": iteration}
@@ -105,6 +111,9 @@ class MetricsLogger:
         record["train/tokens_per_second"] = tokens_per_second
         record["train/iteration_time_ms"] = iteration_time_s * 1000.0
         record["train/memory_bytes"] = memory_bytes()
+        # TensorBoard first (it only queues): a run stopped between the two has in its events every
+        # iteration metrics.jsonl holds.
+        self.tensorboard.log_train(iteration, consumed_samples, metrics, iteration_time_s)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
@@ -119,12 +128,23 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=iteration)
 
-    def close(self):
+    def log_evaluation(self, iteration, consumed_samples, split, loss):
+        """An evaluation's ``<split>/lm_loss`` and ``<split>/lm_loss_ppl`` (Megatron's exp(min(20, loss)));
+        TensorBoard's ``lm loss validation`` (`cp_ext.training.tensorboard`)."""
         if not self.enabled:
             return
+        self.log_values(iteration, {f"{split}/lm_loss": loss, f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))})
+        self.tensorboard.log_evaluation(iteration, consumed_samples, split, loss)
+
+    def close(self, failed=False):
+        """Idempotent: `Trainer.train` closes on the way out whether training ended or raised
+        (``failed``: wandb marks the run failed, not finished)."""
+        if not self.enabled or self.file.closed:
+            return
         self.file.close()
+        self.tensorboard.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=1 if failed else 0)
 
 
 def _init_wandb(args, config, run_dir):

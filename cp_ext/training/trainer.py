@@ -228,7 +228,8 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += args.global_batch_size
         metrics = {"lm loss": self._global_lm_loss(reports), "grad norm": grad_norm,
-                   "learning rate": lr, "skipped": not update_successful}
+                   "learning rate": lr, "loss scale": self.optimizer.get_loss_scale().item(),
+                   "skipped": not update_successful}
         metrics.update(self._aux_losses())
         return metrics
 
@@ -274,6 +275,23 @@ class Trainer:
         tokens_per_iteration = args.global_batch_size * args.seq_length
         log = IterationLog(args, tokens_per_iteration=tokens_per_iteration)
         self.open_metrics()
+        ended = False
+        try:
+            history = self._train_loop(log, tokens_per_iteration)
+            ended = True
+        finally:  # an error too: what metrics.jsonl, wandb and TensorBoard hold reaches the disk
+            self.metrics.close(failed=not ended)
+        if history:
+            first = self.iteration - len(history) + 1
+            print_rank_0(
+                f"training done: lm loss {history[0]['lm loss']:.4f} (iteration {first}) -> "
+                f"{history[-1]['lm loss']:.4f} (iteration {self.iteration}); metrics in {args.log_dir}/metrics.jsonl"
+            )
+        self.report_peak_memory()
+        return history
+
+    def _train_loop(self, log, tokens_per_iteration):
+        args = self.args
         print_rank_0(
             f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
             f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
@@ -292,7 +310,7 @@ class Trainer:
             elapsed = time.perf_counter() - start
             history.append(metrics)
             log.record(self.iteration, self.consumed_samples, elapsed, metrics)
-            self.metrics.log(self.iteration, metrics, tokens_per_iteration / elapsed, elapsed)
+            self.metrics.log(self.iteration, metrics, tokens_per_iteration / elapsed, elapsed, self.consumed_samples)
             exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
             signalled = signals is not None and signals.any_rank_received(self.device)
             if signalled:
@@ -315,14 +333,6 @@ class Trainer:
                 chunk.start_param_sync(force_sync=True)
         if args.eval_interval and "test" in self.eval_datasets and history:
             evaluate_and_report(self, "test", f"iteration {self.iteration} on test set")
-        self.metrics.close()
-        if history:
-            first = self.iteration - len(history) + 1
-            print_rank_0(
-                f"training done: lm loss {history[0]['lm loss']:.4f} (iteration {first}) -> "
-                f"{history[-1]['lm loss']:.4f} (iteration {self.iteration}); metrics in {args.log_dir}/metrics.jsonl"
-            )
-        self.report_peak_memory()
         return history
 
     def open_metrics(self):
@@ -331,10 +341,14 @@ class Trainer:
     def evaluate_only(self):
         """--skip-train: the valid and test splits once, at the loaded iteration (Megatron's wording)."""
         self.open_metrics()
-        results = {split: evaluate_and_report(self, split, f"iteration {self.iteration} on {SPLIT_NAMES[split]} set")
-                   for split in self.eval_datasets}
-        self.metrics.close()
-        return results
+        ended = False
+        try:
+            results = {split: evaluate_and_report(self, split, f"iteration {self.iteration} on {SPLIT_NAMES[split]} set")
+                       for split in self.eval_datasets}
+            ended = True
+            return results
+        finally:
+            self.metrics.close(failed=not ended)
 
     def report_peak_memory(self):
         """Rank 0 prints every rank's peak memory (metrics.jsonl holds rank 0's only)."""

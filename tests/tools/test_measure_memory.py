@@ -4,10 +4,18 @@ the per-rank ratio bound, and the planner's estimate of the same config within 1
 all-gather attention, the transient the call holds is measured and the peak it gives is the
 planner's within the same 15%.
 
+The CP=1 / CP=2 pair runs through the tool's command line, given a training run's
+--global-batch-size of 4 microbatches: it measures one and says so. A flag the trainer refuses is
+one message and exit 2, found by the tool before any launch or by a rank under torchrun.
+
 The tool's ranks are forked (`tests.launch.fork_workers` in place of torchrun, each measurement
-a fresh process as under torchrun); tests/tools/test_bench_generate.py runs a tool's torchrun launch.
+a fresh process as under torchrun), except in the test of a rank's refusal, which runs the tool
+as a user does; tests/tools/test_bench_generate.py runs a tool's torchrun launch too.
 """
 
+import contextlib
+import io
+import json
 import sys
 from pathlib import Path
 
@@ -35,8 +43,45 @@ def forked_ranks():
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return measure_memory.compare(2, FLAGS)
+def cli_run(tmp_path_factory):
+    """``measure_memory.py --cp 2 --json F -- FLAGS --global-batch-size 4``: (exit status, stdout, records)."""
+    out = tmp_path_factory.mktemp("measure") / "records.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = measure_memory.main(["--cp", "2", "--json", str(out), "--", *FLAGS, "--global-batch-size", "4"])
+    return status, stdout.getvalue(), json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(cli_run):
+    records = cli_run[2]
+    return records["cp1"], records["cpN"], records["ratio"]
+
+
+@pytest.mark.quick
+def test_a_training_runs_global_batch_is_measured_as_one_microbatch(cli_run):
+    status, stdout, _ = cli_run
+    assert status == 0, stdout
+    assert stdout.count("note: --global-batch-size 4 is 4 microbatches of --micro-batch-size 1 x DP 1 per "
+                        "iteration; measuring one (--global-batch-size 1)") == 1, stdout
+
+
+def test_a_refused_flag_is_one_message_and_exit_2_before_any_launch(capsys):
+    assert measure_memory.main(["--cp", "2", "--", *FLAGS, "--seq-length", "30"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("measure_memory.py: configuration error:\n  - --seq-length 30") and "Traceback" not in err
+
+
+def test_a_ranks_refusal_is_one_message_and_exit_2(tmp_path):
+    """Known only once a rank opens the data (the valid split too small for --eval-iters): the user's
+    command, torchrun and all, prints the rank's message once, no traceback or torchrun report."""
+    from tests.launch import run_script
+
+    proc = run_script(0, ROOT / "tools" / "measure_memory.py", "--cp", "2", "--", *FLAGS, "--eval-interval", "1",
+                      "--eval-iters", "100000", check=False, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("measure_memory.py: configuration error:\n  - --eval-interval: ") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.quick
