@@ -468,13 +468,17 @@ def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
         (MOE + ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], 1,
          ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
         (["--quick-geglu", "--swiglu"], 1, ["--quick-geglu", "--swiglu"]),
+        (MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"], 2,
+         ["--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size 2 at --expert-model-parallel-size 1"]),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+         ["biases in the MoE experts", "--expert-tensor-parallel-size 1 or --disable-bias-linear"]),
         (["--transformer-impl", "inference_optimized"], 1, ["--transformer-impl"]),
         (MOE + ["--moe-layer-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform"], 1,
          ["--moe-layer-recompute", "megatron-core refuses"]),
     ],
     ids=["mla-rotary-interleaved", "layer-freq-length", "layer-freq-no-moe", "shared-size-zero", "qk-head-dim-without-mla",
          "modelopt-export", "modelopt-remote-code", "groups-without-gqa", "yarn-without-gpt-oss", "flex-dispatcher",
-         "shared-overlap-needs-alltoall", "quick-geglu-and-swiglu", "transformer-impl-unknown",
+         "shared-overlap-needs-alltoall", "quick-geglu-and-swiglu", "expert-tp-below-tp-at-ep1", "biased-experts-at-expert-tp2", "transformer-impl-unknown",
          "moe-layer-recompute-with-full"],
 )
 def test_bad_model_flags_name_the_flag(argv, world, must_name):

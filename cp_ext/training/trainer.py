@@ -171,6 +171,9 @@ class Trainer:
                                                    args.tensor_model_parallel_size)
 
         self.config = transformer_config_from_args(args)
+        # megatron's MoE loss tracker is process-wide, sized by the first model's layers and keyed by its loss
+        # names: a second Trainer in the process (tools, tests) starts from an empty one
+        get_moe_layer_wise_logging_tracker().clear()
         print_rank_0(attention_kernel_line(self.config, self.device))
         note = implementation_note(args, on_cpu=self.device.type == "cpu")
         if note:  # flags naming an implementation that does not run here, and what runs instead
@@ -366,7 +369,6 @@ class Trainer:
         dist.barrier()
         if self.args.save:
             release_save_lock(self.args.save)
-        get_moe_layer_wise_logging_tracker().clear()  # megatron's is process-wide: no next Trainer sees our names
         if not keep_process_group:
             cp_state.destroy_context_parallel()
             parallel_state.destroy_model_parallel()

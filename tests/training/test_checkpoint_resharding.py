@@ -6,6 +6,10 @@ and a run at the second grid that loads it and trains iterations 5-8. Their fp32
 equal the uninterrupted run's within 1e-5 relative: model weights, Adam moments, Adam's step,
 the LR schedule and the data position all moved across TP, PP, EP, CP, DP and the optimizer
 kind (``--use-distributed-optimizer`` on or off). Also measured: bytes each rank writes.
+
+Megatron-LM's five MoE scripts (tests/families: MLA, dense-first layers, shared experts, q/k
+norms, biases and sinks) do the same in the same launch: saved at CP2 x EP2, loaded at
+TP2+SP x PP2, in fp32.
 """
 
 import sys
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.families import FAMILIES, tiny
 from tests.launch import launch, selected, worker_args, write_results
 
 BASE = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -38,6 +43,10 @@ PAIRS = [  # (saving grid, loading grid): the issue's list, each way
     ("tp2_sp_pp2_distopt", "cp4_u2r2"),
 ]
 SAVED_AT = 4
+FAMILY_SAVE = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
+FAMILY_LOAD = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",  # expert-TP 1 (GPT-OSS's
+               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]  # biased experts), EP2
+FAMILY_ITERS, FAMILY_SAVED_AT = 4, 2
 
 
 QUICK = "dp4_ep2-to-tp2_sp_ep2"  # the quick subset's pair: the launch then runs only it
@@ -60,6 +69,14 @@ def test_resumes_at_another_grid_as_if_uninterrupted(results, pair):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name}: iteration {it}: {got} vs uninterrupted {want}"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_resumes_at_another_grid_as_if_uninterrupted(results, family):
+    ref, resumed = results[f"{family}-uninterrupted"], results[f"{family}-resumed"]
+    assert resumed["start_iteration"] == FAMILY_SAVED_AT and len(resumed["losses"]) == FAMILY_ITERS - FAMILY_SAVED_AT
+    for it, (got, want) in enumerate(zip(resumed["losses"], ref[FAMILY_SAVED_AT:]), start=FAMILY_SAVED_AT + 1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{family}: iteration {it}: {got} vs uninterrupted {want}"
+
+
 def test_a_fresh_optimizer_would_be_caught(results):
     """The same comparison fails when the optimizer state is not carried over (--no-load-optim)."""
     ref, fresh = results["uninterrupted"], results["no-load-optim"]
@@ -75,11 +92,16 @@ def test_each_rank_writes_about_a_quarter_at_dp4(results):
         assert max(per_rank) <= 0.4 * total, f"{grid}: one rank writes {max(per_rank)} of {total} bytes"
 
 
-def _trainer(flags):
+def _trainer(flags, base=BASE):
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
 
-    return Trainer(parse_args(BASE + flags))
+    return Trainer(parse_args(base + flags))
+
+
+def _family(family):
+    """The script's flags at toy sizes in fp32 (exactness), 4 iterations."""
+    return [t for t in tiny(family, "--train-iters", str(FAMILY_ITERS), "--log-interval", "1") if t != "--bf16"]
 
 
 def _train(trainer, until):
@@ -125,6 +147,13 @@ def worker():
     if opts.cases is None:  # the whole launch (not the quick subset's one pair)
         trainer = _trainer(GRIDS["dp4_ep2"] + ["--load", str(saved["dp4_ep2"]), "--no-load-optim"])
         out["no-load-optim"] = {"losses": _train(trainer, 8)}
+        for family in FAMILIES:
+            out[f"{family}-uninterrupted"] = _train(_trainer(FAMILY_SAVE, _family(family)), FAMILY_ITERS)
+            trainer = _trainer(FAMILY_SAVE, _family(family))
+            _train(trainer, FAMILY_SAVED_AT)
+            trainer.checkpointer.save(root / family)
+            trainer = _trainer(FAMILY_LOAD + ["--load", str(root / family)], _family(family))
+            out[f"{family}-resumed"] = {"start_iteration": trainer.iteration, "losses": _train(trainer, FAMILY_ITERS)}
     write_results(opts.results_dir, out)
 
 
