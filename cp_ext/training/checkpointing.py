@@ -77,6 +77,10 @@ MODEL_FLAGS = {
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "qk_layernorm": "--qk-layernorm", "multi_latent_attention": "--multi-latent-attention", **MLA_FLAGS,
+    "add_bias_linear": "--add-bias-linear", "add_qkv_bias": "--add-qkv-bias", "quick_geglu": "--quick-geglu",
+    "position_embedding_type": "--position-embedding-type",
+    "padded_vocab_size": "--padded-vocab-size", "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
 }
 GRID_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "ulysses_size", "use_distributed_optimizer")
