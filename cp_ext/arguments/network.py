@@ -54,6 +54,11 @@ def add_network_args(parser):
     g.add_argument("--padded-vocab-size", type=POSITIVE, default=None,
                    help="the padded vocabulary itself, instead of padding to --make-vocab-size-divisible-by")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--mtp-num-layers", type=POSITIVE, default=None,
+                   help="multi-token prediction (DeepSeek-V3): N extra layers, depth k predicting token i + 1 + k "
+                        "(megatron-core's MTP block, its shifts across CP shards: cp_ext.models.mtp)")
+    g.add_argument("--mtp-loss-scaling-factor", type=number(float, 0), default=0.1,
+                   help="with --mtp-num-layers: the weight of the MTP losses' mean over the depths in the loss")
     _add_position_embedding_args(g)
 
 
@@ -148,4 +153,24 @@ def network_problems(args):
         p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) need "
                  f"--expert-tensor-parallel-size 1, and it is {args.expert_tensor_parallel_size} (it defaults to "
                  f"--tensor-model-parallel-size); add --expert-tensor-parallel-size 1 or --disable-bias-linear")
+    return p + _mtp_problems(args)
+
+
+def _mtp_problems(args):
+    if args.mtp_num_layers is None:
+        if args.mtp_loss_scaling_factor != 0.1:
+            return [f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} is only read with --mtp-num-layers; "
+                    f"add --mtp-num-layers N or drop it"]
+        return []
+    p = []
+    if args.pipeline_model_parallel_size > 1:
+        # megatron-core builds every MTP layer on the last stage, which then needs the tokens, the position
+        # ids and a tied copy of the embedding: cp_ext's batches and layout-invariant init give it neither.
+        p.append(f"--mtp-num-layers needs --pipeline-model-parallel-size 1 in cp_ext (it is "
+                 f"{args.pipeline_model_parallel_size}): megatron places the MTP layers on the last pipeline stage, "
+                 f"which cp_ext gives no tokens and no copy of the embedding")
+    if args.recompute_granularity == "full":
+        p.append("--mtp-num-layers with --recompute-granularity full is not supported (megatron's MTP layer "
+                 "checkpoints itself, outside cp_ext's CP-aware recompute, and only with --recompute-num-layers 1); "
+                 "use --recompute-granularity selective or no recompute")
     return p

@@ -15,6 +15,9 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear   (biased experts: GPT-OSS)
     final_layernorm      -> cp_ext SequenceParallelNorm
+    mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
+                            shards), its norms SequenceParallelNorm, its layer the last one's seats
+                            (`cp_ext.models.mtp`)
 
 `ContextParallelGPTModel` is megatron's GPTModel whose RoPE (rope or YaRN, with every option
 megatron built it with) returns the rows at this CP rank's global positions, or at the batch's
@@ -42,6 +45,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cp_ext.models.layout import iter_global_slices
+from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.experts import ExpertRowParallelLinear
@@ -103,6 +107,11 @@ class ContextParallelGPTModel(GPTModel):
         finally:
             rotary.position_ids = None  # nothing outside a forward sees stale ones
 
+    def _postprocess(self, hidden_states, **kwargs):
+        if self.config.mtp_num_layers is None:
+            return super()._postprocess(hidden_states, **kwargs)
+        return postprocess_with_mtp(self, hidden_states, **kwargs)  # the label / mask shift across CP shards
+
 
 def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None) -> GPTModel:
     """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid."""
@@ -110,11 +119,13 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    decoder_block = get_decoder_block_spec(config)
     model = ContextParallelGPTModel(
         config=config,
         cp_layout=config.cp_layout,
         batch_position_ids=args.reset_position_ids,  # packed documents: RoPE at per-document positions
-        transformer_layer_spec=get_decoder_block_spec(config),
+        transformer_layer_spec=decoder_block,
+        mtp_block_spec=get_mtp_block_spec(config, decoder_block, fill_seats),  # None without --mtp-num-layers
         vocab_size=padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -76,7 +76,8 @@ MODEL_FLAGS = {
     "normalization": "--normalization", "swiglu": "--swiglu", "softmax_type": "--softmax-type",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
-    "qk_layernorm": "--qk-layernorm", "multi_latent_attention": "--multi-latent-attention", **MLA_FLAGS,
+    "qk_layernorm": "--qk-layernorm", "multi_latent_attention": "--multi-latent-attention",
+    "mtp_num_layers": "--mtp-num-layers", **MLA_FLAGS,
 }
 GRID_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "ulysses_size", "use_distributed_optimizer")

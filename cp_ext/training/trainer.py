@@ -34,6 +34,7 @@ from cp_ext.arguments import ConfigError, evaluation_splits
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
 from cp_ext.models.gpt_moe import build_model
+from cp_ext.models.mtp import MTPLosses
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
 from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, meta_to_load, release_save_lock
@@ -226,6 +227,7 @@ class Trainer:
         metrics = {"lm loss": self._global_lm_loss(reports), "grad norm": grad_norm,
                    "learning rate": lr, "skipped": not update_successful}
         metrics.update(self._aux_losses())
+        metrics.update(self.mtp_losses())
         return metrics
 
     def lm_loss_sums(self, reports):
@@ -239,6 +241,18 @@ class Trainer:
             for report in reports:
                 total += report["lm loss"].to(torch.float64)
         return total
+
+    def mtp_losses(self):
+        """Megatron-LM's ``mtp_1 loss``, ... of the microbatches run since the last call: each depth's
+        token-weighted mean over the global batch (`cp_ext.models.mtp.MTPLosses`), known on every rank."""
+        depths = self.config.mtp_num_layers
+        if not depths:
+            return {}
+        sums = MTPLosses.take(depths, self.device)
+        if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+            sums.zero_()  # TP ranks hold replicas of the same losses (as in `lm_loss_sums`)
+        dist.all_reduce(sums)
+        return {f"mtp_{k + 1} loss": (sums[k, 0] / sums[k, 1].clamp(min=1)).item() for k in range(depths)}
 
     def _global_lm_loss(self, reports):
         """Token-weighted mean loss of the whole global batch, known on every rank."""
@@ -254,7 +268,7 @@ class Trainer:
         if "z_loss" in tracker:  # megatron logs rank 0's tokens only; the mean over all is the layout-free value
             tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         reduce_aux_losses_tracker_across_ranks()
-        num_moe_layers = self.config.num_layers
+        num_moe_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)  # as megatron's track_moe_metrics
         out = {}
         for name, entry in tracker.items():
             values = entry["values"].float() / self.num_microbatches

@@ -14,7 +14,7 @@ ring, Ulysses and the hybrid through the real model (RoPE at global positions, s
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 38
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 45
 layouts), each on its own grid of the same ranks, one after another.
 """
 
@@ -28,7 +28,7 @@ import torch
 from tests.launch import launch, worker_args, write_results
 
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
     "--ffn-hidden-size", "64", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
     "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--clip-grad", "1.0",
@@ -107,7 +107,7 @@ QK_NORM = {
 # DeepSeek-V3's attention: multi-latent attention with q-LoRA, its latent norms (--qk-layernorm) and YaRN
 # (Megatron-LM's flags), against CP=1.
 # `auto` exchanges the latent on the ring and all-gather at TP 1 and per-head K/V elsewhere.
-MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--group-query-attention", "--num-query-groups", "4", "--q-lora-rank", "12", "--kv-lora-rank", "16",
              "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4",
              "--mscale-all-dim", "1.0"]
 MLA = {
@@ -127,6 +127,22 @@ MLA = {
 }
 LATENT = {"cp2_ring_mla", "cp2_all_gather_mla", "pp2_cp2_mla", "cp2_ring_mla_recompute"}  # where the latent travels
 
+# DeepSeek-V3's multi-token prediction: two depths (the second shifts twice across the CP shards), with
+# Megatron-LM's default learned absolute positions (the rolled position ids pick the MTP embedding's rows)
+# and LayerNorm, against CP=1; the lm and each depth's mtp loss compared too.
+MTP_FLAGS = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type",
+             "learned_absolute", "--normalization", "LayerNorm"]
+MTP = {
+    "cp1_mtp": (1, []),
+    "cp2_ring_mtp": (2, ["--context-parallel-size", "2"]),
+    "cp2_ring_contiguous_mtp": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--cp-load-balance", "none"]),
+    "cp2_ulysses_mtp": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
+    "cp2_all_gather_mtp": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    "cp4_ulysses2_ring2_mtp": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                   "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "tp2sp_cp2_mtp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
+}
+
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
 RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
@@ -134,6 +150,7 @@ RUNS[UNMASKED_DOCS] = (1, [], "docs")
 RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDOWS.items()})
 RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
 RUNS.update({name: (n, flags + ["--qk-layernorm"], None) for name, (n, flags) in QK_NORM.items()})
+RUNS.update({name: (n, flags + MTP_FLAGS, None) for name, (n, flags) in MTP.items()})
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +226,16 @@ def test_qk_layernorm_matches_single_process(layout, runs):
     assert len(norms) == 8 and all(runs("cp1_qknorm")[1][u].abs().max() > 0 for u in norms), norms
 
 
+@pytest.mark.parametrize("layout", [k for k in MTP if k != "cp1_mtp"])
+def test_multi_token_prediction_matches_single_process(layout, runs):
+    """The lm loss, both depths' mtp losses, grad norms and every gradient (the MTP layers' included) equal CP=1's."""
+    reference = runs("cp1_mtp")
+    assert {"mtp_1 loss", "mtp_2 loss"} <= set(reference[0]), sorted(reference[0])
+    mtp_units = [u for u in reference[1] if u.startswith("mtp.")]
+    assert any("eh_proj" in u for u in mtp_units) and all(reference[1][u].abs().max() > 0 for u in mtp_units)
+    _assert_same(runs(layout), reference)
+
+
 def test_window_and_sink_change_training(runs):
     """The window and the sink are not dropped: the same model without them trains differently (by more
     than 100x the tolerance of the comparisons above), and the sink's parameter has a gradient."""
@@ -239,7 +266,7 @@ def test_fully_masked_cp_shard(runs):
 
 def _assert_same(result, reference):
     (run, grads), (ref, ref_grads) = result, reference
-    for key in ("lm loss", "load balancing loss", "grad norm"):
+    for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")]):
         for it, (a, b) in enumerate(zip(run[key], ref[key])):
             assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {key} {a} vs single-process {b}"
     if grads is None:
@@ -290,6 +317,8 @@ def _train(name, args):
         history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
         for _ in range(3 if "--use-distributed-optimizer" in args else 2):
             metrics = trainer.train_step()
+            for key in [k for k in metrics if k.startswith("mtp_")]:  # --mtp-num-layers: mtp_1 loss, ...
+                history.setdefault(key, [])
             for key in history:
                 history[key].append(metrics[key])
             if grads is None:
