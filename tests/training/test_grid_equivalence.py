@@ -18,6 +18,7 @@ Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four lau
 layouts), each on its own grid of the same ranks, one after another.
 """
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -151,6 +152,8 @@ RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDO
 RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
 RUNS.update({name: (n, flags + ["--qk-layernorm"], None) for name, (n, flags) in QK_NORM.items()})
 RUNS.update({name: (n, flags + MTP_FLAGS, None) for name, (n, flags) in MTP.items()})
+MEGATRON_ROLL = "cp2_ring_contiguous_mtp_megatron_roll"  # megatron's own roll_tensor in cp_ext's place
+RUNS[MEGATRON_ROLL] = (2, MTP["cp2_ring_contiguous_mtp"][1] + MTP_FLAGS, None)
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +239,20 @@ def test_multi_token_prediction_matches_single_process(layout, runs):
     _assert_same(runs(layout), reference)
 
 
+def test_megatron_roll_is_off_on_contiguous_cp(runs):
+    """The comparison above sees the shift: with megatron's own `roll_tensor` (its zigzag assumption) on
+    the contiguous CP2 layout the mtp losses and the gradients move by far more than its tolerance,
+    while iteration 1's lm loss (the main head, no shift) stays CP1's. (Measured: the mtp losses 3e-5 to
+    1.4e-3 off, the grad norm 3e-3, the MTP layers' gradients up to 34%.)"""
+    (run, grads), (ref, ref_grads) = runs(MEGATRON_ROLL), runs("cp1_mtp")
+    assert abs(run["lm loss"][0] - ref["lm loss"][0]) <= 1e-5 * ref["lm loss"][0]
+    off = max(abs(a - b) / b for key in ("mtp_1 loss", "mtp_2 loss") for a, b in zip(run[key], ref[key]))
+    assert off > 10 * 1e-5, f"megatron's roll moves the mtp losses by only {off:.2e}"
+    largest = max(g.abs().max().item() for g in ref_grads.values())
+    moved = max((grads[u] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest) for u, g in ref_grads.items())
+    assert moved > 100 * 1e-5, moved
+
+
 def test_window_and_sink_change_training(runs):
     """The window and the sink are not dropped: the same model without them trains differently (by more
     than 100x the tolerance of the comparisons above), and the sink's parameter has a gradient."""
@@ -294,6 +311,35 @@ def _grad_slices(model):
     return out
 
 
+@contextlib.contextmanager
+def _megatron_roll(on):
+    """`cp_ext.models.mtp`'s shifts replaced by megatron-core's `roll_tensor` (for `MEGATRON_ROLL`)."""
+    import cp_ext.models.mtp as mtp
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    def roll(tensor, layout=None, dim=-1):
+        return roll_tensor(tensor, shifts=-1, dims=dim, cp_group=mpu.get_context_parallel_group())[0]
+
+    class Sequence:
+        def __init__(self, local, layout=None, dim=-1):
+            self.local, self.dim = local, dim
+
+        def shifted(self, k):
+            out = self.local
+            for _ in range(k):
+                out = roll(out, dim=self.dim)
+            return out
+
+    saved = mtp.roll_left, mtp.GlobalSequence
+    if on:
+        mtp.roll_left, mtp.GlobalSequence = roll, Sequence
+    try:
+        yield
+    finally:
+        mtp.roll_left, mtp.GlobalSequence = saved
+
+
 def _train(name, args):
     """Two iterations of layout ``name`` (three with the distributed optimizer) on this launch's
     ranks: (metrics, iteration 1's grads)."""
@@ -316,7 +362,8 @@ def _train(name, args):
     try:
         history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
         for _ in range(3 if "--use-distributed-optimizer" in args else 2):
-            metrics = trainer.train_step()
+            with _megatron_roll(name == MEGATRON_ROLL):
+                metrics = trainer.train_step()
             for key in [k for k in metrics if k.startswith("mtp_")]:  # --mtp-num-layers: mtp_1 loss, ...
                 history.setdefault(key, [])
             for key in history:
