@@ -48,12 +48,21 @@ def _error(argv, world_size):
         (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2, ["--cp-comm-type", "all_gather"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--ulysses-size", "2"], 2,
          ["--ulysses-size contradicts --cp-comm-type all_gather", "give one of them"]),
+        (["--mtp-num-layers", "0"], 1, ["--mtp-num-layers", "an integer >= 1", "got 0"]),
+        (["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-0.1"], 1, ["--mtp-loss-scaling-factor", ">= 0"]),
+        (["--mtp-loss-scaling-factor", "0.3"], 1, ["--mtp-loss-scaling-factor 0.3 is only read with --mtp-num-layers"]),
+        (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+          "--num-layers", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
+         ["--mtp-num-layers needs --pipeline-model-parallel-size 1", "(it is 2)"]),
+        (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "1"], 1, ["--mtp-num-layers with --recompute-granularity full"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
          "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp",
          "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt",
-         "all-gather-contradicts-ulysses"],
+         "all-gather-contradicts-ulysses", "mtp-layers-0", "mtp-scale-negative", "mtp-scale-without-mtp",
+         "mtp-with-pp", "mtp-with-full-recompute"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)
