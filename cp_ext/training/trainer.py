@@ -173,6 +173,10 @@ class Trainer:
         self.config = transformer_config_from_args(args)
         print_rank_0(attention_kernel_line(self.config, self.device))
         model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
+        # megatron's MoE loss tracker is process-wide and sized once, by the first model's layer count (with
+        # MTP: --num-layers + --mtp-num-layers); a process that builds another model starts it afresh.
+        get_moe_layer_wise_logging_tracker().clear()
+        MTPLosses.take(0, self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(

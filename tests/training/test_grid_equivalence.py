@@ -237,6 +237,10 @@ def test_multi_token_prediction_matches_single_process(layout, runs):
     mtp_units = [u for u in reference[1] if u.startswith("mtp.")]
     assert any("eh_proj" in u for u in mtp_units) and all(reference[1][u].abs().max() > 0 for u in mtp_units)
     _assert_same(runs(layout), reference)
+    evaluation, ref_evaluation = runs(layout)[0]["evaluation"], reference[0]["evaluation"]
+    assert sorted(ref_evaluation) == ["lm loss", "mtp_1 loss", "mtp_2 loss"], ref_evaluation
+    for key, value in ref_evaluation.items():
+        assert abs(evaluation[key] - value) <= 1e-5 * value, f"evaluation's {key} {evaluation[key]} vs CP1's {value}"
 
 
 def test_megatron_roll_is_off_on_contiguous_cp(runs):
@@ -375,6 +379,10 @@ def _train(name, args):
     from cp_ext.transformer.attention import CoreAttention
     from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 
+    if "--mtp-num-layers" in args:  # evaluation's losses too, on the first global batch of the train split
+        from cp_ext.training.evaluation import evaluate_losses
+
+        history["evaluation"] = evaluate_losses(trainer, trainer.dataset, 1)
     mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
     history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
