@@ -54,8 +54,10 @@ def _error(argv, world_size):
         (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
           "--num-layers", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
          ["--mtp-num-layers needs --pipeline-model-parallel-size 1", "(it is 2)"]),
-        (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
-          "--recompute-num-layers", "1"], 1, ["--mtp-num-layers with --recompute-granularity full"]),
+        (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "block",
+          "--recompute-num-layers", "1"], 1, ["--mtp-num-layers with --recompute-granularity full needs "
+                                              "--recompute-method uniform --recompute-num-layers 1",
+                                              "--recompute-method block"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",

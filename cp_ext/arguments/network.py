@@ -169,8 +169,10 @@ def _mtp_problems(args):
         p.append(f"--mtp-num-layers needs --pipeline-model-parallel-size 1 in cp_ext (it is "
                  f"{args.pipeline_model_parallel_size}): megatron places the MTP layers on the last pipeline stage, "
                  f"which cp_ext gives no tokens and no copy of the embedding")
-    if args.recompute_granularity == "full":
-        p.append("--mtp-num-layers with --recompute-granularity full is not supported (megatron's MTP layer "
-                 "checkpoints itself, outside cp_ext's CP-aware recompute, and only with --recompute-num-layers 1); "
-                 "use --recompute-granularity selective or no recompute")
+    if args.recompute_granularity == "full" and (args.recompute_method, args.recompute_num_layers) != ("uniform", 1):
+        # megatron-core's MTP layer checkpoints itself: it asserts --recompute-num-layers 1 under uniform, and
+        # under block skips its own recompute with a warning at every forward.
+        p.append(f"--mtp-num-layers with --recompute-granularity full needs --recompute-method uniform "
+                 f"--recompute-num-layers 1 (megatron-core's MTP layer recomputes only so; got "
+                 f"--recompute-method {args.recompute_method} --recompute-num-layers {args.recompute_num_layers})")
     return p

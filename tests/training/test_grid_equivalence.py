@@ -142,6 +142,9 @@ MTP = {
     "cp4_ulysses2_ring2_mtp": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                    "--hierarchical-context-parallel-sizes", "2", "2"]),
     "tp2sp_cp2_mtp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
+    # megatron's MTP layer checkpoints itself; cp_ext's CP-aware recompute replays its attention too
+    "cp2_ring_mtp_recompute": (2, ["--context-parallel-size", "2", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
 
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
@@ -237,6 +240,7 @@ def test_multi_token_prediction_matches_single_process(layout, runs):
     mtp_units = [u for u in reference[1] if u.startswith("mtp.")]
     assert any("eh_proj" in u for u in mtp_units) and all(reference[1][u].abs().max() > 0 for u in mtp_units)
     _assert_same(runs(layout), reference)
+    assert (runs(layout)[0]["replayed mtp"] > 0) == layout.endswith("_recompute"), runs(layout)[0]["replayed mtp"]
     evaluation, ref_evaluation = runs(layout)[0]["evaluation"], reference[0]["evaluation"]
     assert sorted(ref_evaluation) == ["lm loss", "mtp_1 loss", "mtp_2 loss"], ref_evaluation
     for key, value in ref_evaluation.items():
@@ -386,6 +390,8 @@ def _train(name, args):
     mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
     history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
+    mtp = getattr(trainer.model[0].module, "mtp", None)
+    history["replayed mtp"] = 0 if mtp is None else sum(m.kept.replayed for m in mtp.modules() if isinstance(m, CoreAttention))
     trainer.shutdown(keep_process_group=True)
     return history, grads
 
