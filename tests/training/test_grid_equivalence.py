@@ -155,6 +155,17 @@ RUNS.update({name: (n, flags + WINDOW_FLAGS, None) for name, (n, flags) in WINDO
 RUNS.update({name: (n, flags + MLA_FLAGS, None) for name, (n, flags) in MLA.items()})
 RUNS.update({name: (n, flags + ["--qk-layernorm"], None) for name, (n, flags) in QK_NORM.items()})
 RUNS.update({name: (n, flags + MTP_FLAGS, None) for name, (n, flags) in MTP.items()})
+# MTP on packed documents (its shifts run over the whole sample, across documents, as megatron's at CP=1)
+# and with multi-latent attention in its layer, each against CP=1 with the same flags.
+MTP_WITH = {
+    "cp4_ulysses2_ring2_mtp_docs": ("cp1_mtp_docs", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                                        "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "cp2_ring_mtp_mla": ("cp1_mtp_mla", 2, ["--context-parallel-size", "2"]),
+}
+RUNS["cp1_mtp_docs"] = (1, MTP_FLAGS + DOC_FLAGS, "docs")
+RUNS["cp4_ulysses2_ring2_mtp_docs"] = (4, MTP_WITH["cp4_ulysses2_ring2_mtp_docs"][2] + MTP_FLAGS + DOC_FLAGS, "docs")
+RUNS["cp1_mtp_mla"] = (1, ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
+RUNS["cp2_ring_mtp_mla"] = (2, MTP_WITH["cp2_ring_mtp_mla"][2] + ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
 MEGATRON_ROLL = "cp2_ring_contiguous_mtp_megatron_roll"  # megatron's own roll_tensor in cp_ext's place
 RUNS[MEGATRON_ROLL] = (2, MTP["cp2_ring_contiguous_mtp"][1] + MTP_FLAGS, None)
 
@@ -245,6 +256,13 @@ def test_multi_token_prediction_matches_single_process(layout, runs):
     assert sorted(ref_evaluation) == ["lm loss", "mtp_1 loss", "mtp_2 loss"], ref_evaluation
     for key, value in ref_evaluation.items():
         assert abs(evaluation[key] - value) <= 1e-5 * value, f"evaluation's {key} {evaluation[key]} vs CP1's {value}"
+
+
+@pytest.mark.parametrize("layout", list(MTP_WITH))
+def test_multi_token_prediction_with_documents_and_mla_matches_single_process(layout, runs):
+    reference = runs(MTP_WITH[layout][0])
+    assert {"mtp_1 loss", "mtp_2 loss"} <= set(reference[0]), sorted(reference[0])
+    _assert_same(runs(layout), reference)
 
 
 def test_megatron_roll_is_off_on_contiguous_cp(runs):
