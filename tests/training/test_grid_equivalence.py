@@ -142,6 +142,8 @@ MTP = {
     "cp4_ulysses2_ring2_mtp": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                    "--hierarchical-context-parallel-sizes", "2", "2"]),
     "tp2sp_cp2_mtp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_mtp": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                              "--expert-model-parallel-size", "2"]),
     # megatron's MTP layer checkpoints itself; cp_ext's CP-aware recompute replays its attention too
     "cp2_ring_mtp_recompute": (2, ["--context-parallel-size", "2", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
