@@ -51,9 +51,9 @@ def _error(argv, world_size):
         (["--mtp-num-layers", "0"], 1, ["--mtp-num-layers", "an integer >= 1", "got 0"]),
         (["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-0.1"], 1, ["--mtp-loss-scaling-factor", ">= 0"]),
         (["--mtp-loss-scaling-factor", "0.3"], 1, ["--mtp-loss-scaling-factor 0.3 is only read with --mtp-num-layers"]),
-        (["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
-          "--num-layers", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
-         ["--mtp-num-layers needs --pipeline-model-parallel-size 1", "(it is 2)"]),
+        (["--num-layers", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
+         ["--mtp-num-layers with --pipeline-model-parallel-size 2 needs RoPE or no position embedding",
+          "learned_absolute"]),
         (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "block",
           "--recompute-num-layers", "1"], 1, ["--mtp-num-layers with --recompute-granularity full needs "
                                               "--recompute-method uniform --recompute-num-layers 1",
@@ -64,7 +64,7 @@ def _error(argv, world_size):
          "alltoall-on-cpu", "cp-dropout", "save-interval-without-save", "vocab-padding-vs-tp",
          "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt",
          "all-gather-contradicts-ulysses", "mtp-layers-0", "mtp-scale-negative", "mtp-scale-without-mtp",
-         "mtp-with-pp", "mtp-with-full-recompute"],
+         "mtp-pp-learned-positions", "mtp-with-full-recompute"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)

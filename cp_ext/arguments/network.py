@@ -163,12 +163,13 @@ def _mtp_problems(args):
                     f"add --mtp-num-layers N or drop it"]
         return []
     p = []
-    if args.pipeline_model_parallel_size > 1:
-        # megatron-core builds every MTP layer on the last stage, which then needs the tokens, the position
-        # ids and a tied copy of the embedding: cp_ext's batches and layout-invariant init give it neither.
-        p.append(f"--mtp-num-layers needs --pipeline-model-parallel-size 1 in cp_ext (it is "
-                 f"{args.pipeline_model_parallel_size}): megatron places the MTP layers on the last pipeline stage, "
-                 f"which cp_ext gives no tokens and no copy of the embedding")
+    if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == "learned_absolute":
+        # megatron-core builds the MTP layers on the last stage with a copy of the embedding; it keeps the word
+        # embeddings' copies in sync (the embedding group), but the learned position table's only on the first
+        # stage (its position-embedding group), so the last stage's copy would drift after the first step.
+        p.append(f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+                 f"RoPE or no position embedding (--position-embedding-type rope|yarn|none): megatron-core does not "
+                 f"keep the last stage's copy of the learned position table (learned_absolute) in sync for MTP")
     if args.recompute_granularity == "full" and (args.recompute_method, args.recompute_num_layers) != ("uniform", 1):
         # megatron-core's MTP layer checkpoints itself: it asserts --recompute-num-layers 1 under uniform, and
         # under block skips its own recompute with a warning at every forward.

@@ -43,6 +43,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from cp_ext.models.layout import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
@@ -94,6 +95,12 @@ class ContextParallelGPTModel(GPTModel):
     def __init__(self, config: TransformerConfig, *, cp_layout: str, batch_position_ids: bool = False, **kwargs):
         super().__init__(config, **kwargs)
         self.batch_position_ids = batch_position_ids
+        if self.mtp_process and self.post_process and not self.pre_process and self.share_embeddings_and_output_weights:
+            # The MTP stage's output head reads the tied weight from its copy of the embedding
+            # (`shared_embedding_or_output_weight`), so megatron-core 0.16.1 allocates an output weight that
+            # nothing uses, and its sharded_state_dict then asserts there is none: drop it, as megatron
+            # does on a stage that embeds.
+            self.output_layer.weight = None
         if hasattr(self, "rotary_pos_emb"):  # rope or yarn (MLA's layers rotate their own key)
             self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb, layout=cp_layout)
 
@@ -106,6 +113,11 @@ class ContextParallelGPTModel(GPTModel):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
             rotary.position_ids = None  # nothing outside a forward sees stale ones
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        # megatron-core 0.16.1's GPTModel reads metadata["dp_cp_group"] on an MTP stage that does not embed
+        # (PP > 1) where only its parent fills the default in: fill it first, as every caller may pass none.
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
     def _postprocess(self, hidden_states, **kwargs):
         if self.config.mtp_num_layers is None:

@@ -29,6 +29,9 @@ every layout alike). For logging megatron averages each rank's local per-token m
 which depends on the split (the last position is masked on one rank only). cp_ext records each
 depth's (loss sum, token count) here instead; the trainer sums them over the world, giving
 Megatron-LM's ``mtp_1 loss`` as the global per-token mean, equal at every layout.
+
+Under PP megatron builds every MTP layer on the last stage, with a copy of the embedding; the trainer
+hands that stage the tokens too (`Trainer.reads_tokens`).
 """
 
 from typing import Optional
@@ -145,10 +148,13 @@ class ContextParallelMTPLayer(MultiTokenPredictionLayer):
 def get_mtp_block_spec(config, decoder_block, fill_seats):
     """megatron's MTP block spec (its layer: the decoder's last layer spec) with cp_ext's seats:
     the layer above, SP-capable norms for enorm / hnorm / the final norm, cp_ext's attention in
-    the transformer layer (`fill_seats`, as in the decoder). None without --mtp-num-layers."""
+    the transformer layer (`fill_seats`, as in the decoder). None without --mtp-num-layers, and on
+    every pipeline stage but the last (megatron builds all MTP layers there)."""
     if not config.mtp_num_layers:
         return None
     block = get_gpt_mtp_block_spec(config, decoder_block, use_transformer_engine=False)
+    if block is None:
+        return None
     for layer in {id(spec): spec for spec in block.layer_specs}.values():
         layer.module = ContextParallelMTPLayer
         layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = SequenceParallelNorm

@@ -50,7 +50,7 @@ def evaluate_losses(trainer, dataset, eval_iters):
                 dataset, consumed_samples=k * args.global_batch_size, global_batch_size=args.global_batch_size,
                 micro_batch_size=args.micro_batch_size, dp_rank=trainer.dp_rank, dp_size=trainer.dp_size,
                 device=trainer.device, positions=trainer.cp_positions,
-                first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+                first_stage=trainer.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
                 reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
             )
             reports = get_forward_backward_func()(

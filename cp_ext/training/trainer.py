@@ -195,6 +195,10 @@ class Trainer:
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         # The tokens of every sample this CP rank holds (all of them when CP = 1).
         self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
+        # The stages that read tokens: the first (it embeds them) and, with MTP, the last (megatron builds the
+        # MTP layers there, with a copy of the embedding, and they embed the shifted ids).
+        self.reads_tokens = parallel_state.is_pipeline_first_stage() or (
+            bool(self.config.mtp_num_layers) and parallel_state.is_pipeline_last_stage())
         self.iteration = 0
         self.consumed_samples = 0
         self.checkpointer = Checkpointer(self)
@@ -211,7 +215,7 @@ class Trainer:
             self.dataset, consumed_samples=self.consumed_samples, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             device=self.device, positions=self.cp_positions,
-            first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+            first_stage=self.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
             reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         )
         reports = get_forward_backward_func()(

@@ -163,11 +163,21 @@ MTP_WITH = {
     "cp4_ulysses2_ring2_mtp_docs": ("cp1_mtp_docs", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                                                         "--hierarchical-context-parallel-sizes", "2", "2"]),
     "cp2_ring_mtp_mla": ("cp1_mtp_mla", 2, ["--context-parallel-size", "2"]),
+    # PP: megatron builds the MTP layers on the last stage with a copy of the embedding (RoPE: no learned
+    # position table to copy), and the last stage reads the tokens too.
+    "pp2_cp2_mtp_rope": ("cp1_mtp_rope", 4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "pp2_dp2_mtp_rope_untied": ("cp1_mtp_rope_untied", 4, ["--pipeline-model-parallel-size", "2"]),  # DeepSeek-V3's untied head
 }
+MTP_ROPE = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]  # MODEL's RoPE
 RUNS["cp1_mtp_docs"] = (1, MTP_FLAGS + DOC_FLAGS, "docs")
 RUNS["cp4_ulysses2_ring2_mtp_docs"] = (4, MTP_WITH["cp4_ulysses2_ring2_mtp_docs"][2] + MTP_FLAGS + DOC_FLAGS, "docs")
 RUNS["cp1_mtp_mla"] = (1, ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
 RUNS["cp2_ring_mtp_mla"] = (2, MTP_WITH["cp2_ring_mtp_mla"][2] + ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
+RUNS["cp1_mtp_rope"] = (1, MTP_ROPE, None)
+RUNS["pp2_cp2_mtp_rope"] = (4, MTP_WITH["pp2_cp2_mtp_rope"][2] + MTP_ROPE, None)
+RUNS["cp1_mtp_rope_untied"] = (1, MTP_ROPE + ["--untie-embeddings-and-output-weights"], None)
+RUNS["pp2_dp2_mtp_rope_untied"] = (4, MTP_WITH["pp2_dp2_mtp_rope_untied"][2] + MTP_ROPE
+                                   + ["--untie-embeddings-and-output-weights"], None)
 MEGATRON_ROLL = "cp2_ring_contiguous_mtp_megatron_roll"  # megatron's own roll_tensor in cp_ext's place
 RUNS[MEGATRON_ROLL] = (2, MTP["cp2_ring_contiguous_mtp"][1] + MTP_FLAGS, None)
 
