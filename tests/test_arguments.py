@@ -420,6 +420,17 @@ def test_bad_mla_flags_name_the_flag(argv, world, must_name):
 
 
 @pytest.mark.quick
+def test_mtp_flags_reach_megatrons_config():
+    """Megatron-LM's --mtp-num-layers / --mtp-loss-scaling-factor on the TransformerConfig fields megatron's MTP
+    reads (the generic one-to-one copy), with Megatron-LM's defaults: no MTP, factor 0.1."""
+    from cp_ext.config import transformer_config_from_args
+
+    cfg = transformer_config_from_args(parse_args(["--mtp-num-layers", "3", "--mtp-loss-scaling-factor", "0.25"], world_size=1))
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (3, 0.25)
+    cfg = transformer_config_from_args(parse_args([], world_size=1))
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (None, 0.1)
+
+
 def test_mla_flags_reach_megatrons_mla_config():
     """Megatron-LM's MLA flags and defaults become megatron's MLATransformerConfig fields."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
