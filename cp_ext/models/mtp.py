@@ -12,12 +12,15 @@ What is rolled, and how:
 * Only those [b, s] integer/mask tensors. megatron rolls the *ids* and embeds them afterwards, so
   the [s, b, h] embeddings never cross ranks: each rank embeds the ids it was handed, which is
   exactly the rolled embedding (word and learned position rows are per token; SP scatters after).
-* The roll gathers the whole [b, s] sequence over megatron's CP group (one all-gather of
-  b x s/CP values per rank, a few KiB: far below one K/V exchange of the attention) and re-indexes
-  it at this rank's global positions + 1 (`cp_ext.parallel_state.get_context_parallel_positions`,
-  the formula the data, RoPE and attention share), with 0 past the end as torch.roll + fill does at
-  CP=1. Any layout, any U x R, one code path. Labels and loss mask are gathered once per
-  microbatch and shifted for every depth locally.
+* The roll gathers the whole [b, s] sequence over megatron's CP group (one all-gather; b x s values
+  in all, 1 MiB of int64 at s = 128K, b = 1, where one layer's K/V ring moves s x 2 x kv_heads x
+  head_dim values) and re-indexes it at this rank's global positions + 1
+  (`cp_ext.parallel_state.get_context_parallel_positions`, the formula the data, RoPE and attention
+  share), with 0 past the end as torch.roll + fill does at CP=1. Any layout, any U x R, one code
+  path. Per microbatch: one all-gather per MTP layer (ids and position ids stacked), and one each
+  for the labels and the loss mask, gathered once and shifted for every depth locally. (Sending only
+  each shard's boundary tokens would move less, but a zigzag or Ulysses shard has up to 2 x R
+  boundaries whose neighbours sit on different ranks; the whole [b, s] tensor is small enough.)
 * `roll_left` is also differentiable (an autograd Function whose backward is the same exchange
   shifted the other way: d out[p] / d in[p+1] = 1), so a float tensor (an MTP variant rolling
   hidden states) gets exact gradients; the unit test checks both directions.
@@ -51,7 +54,7 @@ from cp_ext.transformer.norms import SequenceParallelNorm
 # ---------------------------------------------------------------- the roll across CP shards
 
 def _cp_size():
-    return 1 if cp_state._STATE is None else cp_state._STATE.cp_size
+    return mpu.get_context_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
 
 
 def group_positions(seq_len: int, layout: str) -> torch.Tensor:
@@ -83,7 +86,7 @@ class GlobalSequence:
             self.full = local
             return
         positions = group_positions(self.seq_len, layout).to(local.device)
-        assert torch.equal(positions[dist.get_rank(mpu.get_context_parallel_group())], self.mine.cpu().to(local.device))
+        assert torch.equal(positions[dist.get_rank(mpu.get_context_parallel_group())], self.mine)  # the same formula
         shards = [torch.empty_like(local) for _ in range(positions.shape[0])]
         dist.all_gather(shards, local.contiguous(), group=mpu.get_context_parallel_group())
         order = torch.empty_like(positions.view(-1))
