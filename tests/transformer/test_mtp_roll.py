@@ -96,7 +96,8 @@ def results():
     return launch(__file__, NPROC)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.quick] if name == "cp4_u2r2_zigzag" else [])
+                                    for name in LAYOUTS])
 def test_roll_matches_torch_roll_on_the_full_sequence(results, layout):
     for rank, res in results.items():
         got = res[layout]
@@ -109,6 +110,9 @@ def test_megatron_roll_is_exact_only_on_its_zigzag_ring(results):
     """megatron's `roll_tensor` assumes its zigzag split over the whole CP group: cp_ext's zigzag ring
     (U = 1) is that split; contiguous shards and Ulysses pieces are not."""
     wrong = {name: sum(res[name]["megatron_wrong"] for res in results.values()) for name in LAYOUTS}
+    entries = {name: sum(res[name]["entries"] for res in results.values()) for name in LAYOUTS}
+    print("megatron roll_tensor, wrong entries of all ranks' shards (pytest -s shows this):",
+          {name: f"{wrong[name]}/{entries[name]}" for name in LAYOUTS})
     assert wrong["cp4_ring_zigzag"] == wrong["tp2_cp2_ring_zigzag"] == 0, wrong
     for name in ("cp4_ring_contiguous", "cp4_ulysses", "cp4_u2r2_zigzag", "cp4_u2r2_contiguous", "tp2_cp2_ulysses"):
         assert wrong[name] > 0, wrong
