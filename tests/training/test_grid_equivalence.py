@@ -12,9 +12,10 @@ The TP2+SP layout also checks the sequence-parallel norms: their gradients are o
 right if megatron's finalize_model_grads sums them over TP. The CP layouts cover the
 ring, Ulysses and the hybrid through the real model (RoPE at global positions, sharded
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
-is masked out.
+is masked out. Multi-token prediction (--mtp-num-layers) adds its mtp losses and evaluation's losses
+to the comparison, and one run with megatron's own roll shows the comparison catches a wrong shift.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 45
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 56
 layouts), each on its own grid of the same ranks, one after another.
 """
 
