@@ -55,6 +55,16 @@ def _error(argv, world_size):
         (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], 2, ["--cp-comm-type", "all_gather"]),
         (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--ulysses-size", "2"], 2,
          ["--ulysses-size contradicts --cp-comm-type all_gather", "give one of them"]),
+        (["--mtp-num-layers", "0"], 1, ["--mtp-num-layers", "an integer >= 1", "got 0"]),
+        (["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-0.1"], 1, ["--mtp-loss-scaling-factor", ">= 0"]),
+        (["--mtp-loss-scaling-factor", "0.3"], 1, ["--mtp-loss-scaling-factor 0.3 is only read with --mtp-num-layers"]),
+        (["--num-layers", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
+         ["--mtp-num-layers with --pipeline-model-parallel-size 2 needs RoPE or no position embedding",
+          "learned_absolute"]),
+        (["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "block",
+          "--recompute-num-layers", "1"], 1, ["--mtp-num-layers with --recompute-granularity full needs "
+                                              "--recompute-method uniform --recompute-num-layers 1",
+                                              "--recompute-method block"]),
     ],
     ids=["world-vs-grid", "heads-vs-tp", "groups-vs-tp", "layers-vs-pp", "batch-vs-dp", "experts-vs-ep", "moe-tp-needs-sp",
          "seq-vs-cp", "ulysses-vs-cp", "hierarchical-missing", "comm-type-contradiction", "heads-vs-ulysses",
@@ -62,7 +72,8 @@ def _error(argv, world_size):
          "tensorboard-dir-under-a-file", "tensorboard-switches-without-dir", "tensorboard-interval-0",
          "vocab-padding-vs-tp",
          "comm-type-list-length", "comm-type-list-mixes-two-layouts", "comm-type-misspelt",
-         "all-gather-contradicts-ulysses"],
+         "all-gather-contradicts-ulysses", "mtp-layers-0", "mtp-scale-negative", "mtp-scale-without-mtp",
+         "mtp-pp-learned-positions", "mtp-with-full-recompute"],
 )
 def test_bad_grid_names_the_flags(argv, world, must_name):
     message = _error(argv, world)
@@ -418,6 +429,17 @@ def test_bad_mla_flags_name_the_flag(argv, world, must_name):
 
 
 @pytest.mark.quick
+def test_mtp_flags_reach_megatrons_config():
+    """Megatron-LM's --mtp-num-layers / --mtp-loss-scaling-factor on the TransformerConfig fields megatron's MTP
+    reads (the generic one-to-one copy), with Megatron-LM's defaults: no MTP, factor 0.1."""
+    from cp_ext.config import transformer_config_from_args
+
+    cfg = transformer_config_from_args(parse_args(["--mtp-num-layers", "3", "--mtp-loss-scaling-factor", "0.25"], world_size=1))
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (3, 0.25)
+    cfg = transformer_config_from_args(parse_args([], world_size=1))
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (None, 0.1)
+
+
 def test_mla_flags_reach_megatrons_mla_config():
     """Megatron-LM's MLA flags and defaults become megatron's MLATransformerConfig fields."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig

@@ -54,6 +54,11 @@ def add_network_args(parser):
     g.add_argument("--padded-vocab-size", type=POSITIVE, default=None,
                    help="the padded vocabulary itself, instead of padding to --make-vocab-size-divisible-by")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--mtp-num-layers", type=POSITIVE, default=None,
+                   help="multi-token prediction (DeepSeek-V3): N extra layers, depth k predicting token i + 1 + k "
+                        "(megatron-core's MTP block, its shifts across CP shards: cp_ext.models.mtp)")
+    g.add_argument("--mtp-loss-scaling-factor", type=number(float, 0), default=0.1,
+                   help="with --mtp-num-layers: the weight of the MTP losses' mean over the depths in the loss")
     _add_position_embedding_args(g)
 
 
@@ -148,4 +153,27 @@ def network_problems(args):
         p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) need "
                  f"--expert-tensor-parallel-size 1, and it is {args.expert_tensor_parallel_size} (it defaults to "
                  f"--tensor-model-parallel-size); add --expert-tensor-parallel-size 1 or --disable-bias-linear")
+    return p + _mtp_problems(args)
+
+
+def _mtp_problems(args):
+    if args.mtp_num_layers is None:
+        if args.mtp_loss_scaling_factor != 0.1:
+            return [f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} is only read with --mtp-num-layers; "
+                    f"add --mtp-num-layers N or drop it"]
+        return []
+    p = []
+    if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == "learned_absolute":
+        # megatron-core builds the MTP layers on the last stage with a copy of the embedding; it keeps the word
+        # embeddings' copies in sync (the embedding group), but the learned position table's only on the first
+        # stage (its position-embedding group), so the last stage's copy would drift after the first step.
+        p.append(f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+                 f"RoPE or no position embedding (--position-embedding-type rope|yarn|none): megatron-core does not "
+                 f"keep the last stage's copy of the learned position table (learned_absolute) in sync for MTP")
+    if args.recompute_granularity == "full" and (args.recompute_method, args.recompute_num_layers) != ("uniform", 1):
+        # megatron-core's MTP layer checkpoints itself: it asserts --recompute-num-layers 1 under uniform, and
+        # under block skips its own recompute with a warning at every forward.
+        p.append(f"--mtp-num-layers with --recompute-granularity full needs --recompute-method uniform "
+                 f"--recompute-num-layers 1 (megatron-core's MTP layer recomputes only so; got "
+                 f"--recompute-method {args.recompute_method} --recompute-num-layers {args.recompute_num_layers})")
     return p

@@ -15,6 +15,9 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear   (biased experts: GPT-OSS)
     final_layernorm      -> cp_ext SequenceParallelNorm
+    mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
+                            shards), its norms SequenceParallelNorm, its layer the last one's seats
+                            (`cp_ext.models.mtp`)
 
 `ContextParallelGPTModel` is megatron's GPTModel whose RoPE (rope or YaRN, with every option
 megatron built it with) returns the rows at this CP rank's global positions, or at the batch's
@@ -40,8 +43,10 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from cp_ext.models.layout import iter_global_slices
+from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.experts import ExpertRowParallelLinear
@@ -90,6 +95,12 @@ class ContextParallelGPTModel(GPTModel):
     def __init__(self, config: TransformerConfig, *, cp_layout: str, batch_position_ids: bool = False, **kwargs):
         super().__init__(config, **kwargs)
         self.batch_position_ids = batch_position_ids
+        if self.mtp_process and self.post_process and not self.pre_process and self.share_embeddings_and_output_weights:
+            # The MTP stage's output head reads the tied weight from its copy of the embedding
+            # (`shared_embedding_or_output_weight`), so megatron-core 0.16.1 allocates an output weight that
+            # nothing uses, and its sharded_state_dict then asserts there is none: drop it, as megatron
+            # does on a stage that embeds.
+            self.output_layer.weight = None
         if hasattr(self, "rotary_pos_emb"):  # rope or yarn (MLA's layers rotate their own key)
             self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb, layout=cp_layout)
 
@@ -103,6 +114,16 @@ class ContextParallelGPTModel(GPTModel):
         finally:
             rotary.position_ids = None  # nothing outside a forward sees stale ones
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        # megatron-core 0.16.1's GPTModel reads metadata["dp_cp_group"] on an MTP stage that does not embed
+        # (PP > 1) where only its parent fills the default in: fill it first, as every caller may pass none.
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
+
+    def _postprocess(self, hidden_states, **kwargs):
+        if self.config.mtp_num_layers is None:
+            return super()._postprocess(hidden_states, **kwargs)
+        return postprocess_with_mtp(self, hidden_states, **kwargs)  # the label / mask shift across CP shards
+
 
 def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None) -> GPTModel:
     """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid."""
@@ -110,11 +131,13 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    decoder_block = get_decoder_block_spec(config)
     model = ContextParallelGPTModel(
         config=config,
         cp_layout=config.cp_layout,
         batch_position_ids=args.reset_position_ids,  # packed documents: RoPE at per-document positions
-        transformer_layer_spec=get_decoder_block_spec(config),
+        transformer_layer_spec=decoder_block,
+        mtp_block_spec=get_mtp_block_spec(config, decoder_block, fill_seats),  # None without --mtp-num-layers
         vocab_size=padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

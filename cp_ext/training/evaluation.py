@@ -9,7 +9,7 @@
 The forward runs through megatron's schedule with ``forward_only=True`` (1F1B when PP > 1),
 in eval mode and without grad; each CP rank computes the loss of its shard of every sample and
 the loss is summed over the global token count exactly as in training (`Trainer.lm_loss_sums`),
-so CP=N gives CP=1's value. Training is not disturbed: no RNG is drawn (eval mode has no
+so CP=N gives CP=1's value; with --mtp-num-layers each depth's loss too (``mtp_1 loss value``). Training is not disturbed: no RNG is drawn (eval mode has no
 dropout), the data position is training's own, and the MoE aux-loss tracker is cleared after.
 """
 
@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+from cp_ext.models.mtp import MTPLosses
 from cp_ext.training.batches import microbatches
 from cp_ext.training.logging import print_rank_0
 from cp_ext.training.steps import forward_step
@@ -29,7 +30,14 @@ SPLIT_NAMES = {"valid": "validation", "test": "test"}
 
 def evaluate(trainer, dataset, eval_iters):
     """Token-weighted mean LM loss over `eval_iters` global batches of `dataset` (collective)."""
+    return evaluate_losses(trainer, dataset, eval_iters)["lm loss"]
+
+
+def evaluate_losses(trainer, dataset, eval_iters):
+    """``{"lm loss": ..., "mtp_1 loss": ...}`` (with --mtp-num-layers: each depth's too), each the token-weighted
+    mean over `eval_iters` global batches of `dataset` (collective)."""
     args = trainer.args
+    MTPLosses.take(trainer.config.mtp_num_layers or 0, trainer.device)  # only this evaluation's microbatches
     overlap = args.use_distributed_optimizer and args.overlap_param_gather
     for chunk in trainer.model:
         if overlap:  # as Megatron-LM: gather the parameters now, no prefetch hooks during evaluation
@@ -42,7 +50,7 @@ def evaluate(trainer, dataset, eval_iters):
                 dataset, consumed_samples=k * args.global_batch_size, global_batch_size=args.global_batch_size,
                 micro_batch_size=args.micro_batch_size, dp_rank=trainer.dp_rank, dp_size=trainer.dp_size,
                 device=trainer.device, positions=trainer.cp_positions,
-                first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+                first_stage=trainer.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
                 reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
             )
             reports = get_forward_backward_func()(
@@ -56,21 +64,26 @@ def evaluate(trainer, dataset, eval_iters):
         if overlap:
             chunk.enable_forward_pre_hook()
     clear_aux_losses_tracker()
+    mtp = trainer.mtp_losses()  # what the MTP heads recorded in these forwards, reduced as in training
     torch.distributed.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    return {"lm loss": (total[0] / total[1].clamp(min=1)).item(), **mtp}
 
 
-def validation_block(prefix, loss):
-    """Megatron-LM's `evaluate_and_print_results` lines, framed by dashes."""
-    line = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
+def validation_block(prefix, loss, others=None):
+    """Megatron-LM's `evaluate_and_print_results` lines, framed by dashes: a value and a PPL per loss
+    (``others``: the MTP depths' ``mtp_1 loss``, ...)."""
+    losses = {"lm loss": loss, **(others or {})}
+    line = f" validation loss at {prefix} | " + "".join(
+        f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E} | " for name, value in losses.items())
     rule = "-" * (len(line) + 1)
     return f"{rule}\n{line}\n{rule}"
 
 
 def evaluate_and_report(trainer, split, prefix):
-    """Evaluate `split`, print Megatron's block on rank 0, log ``<split>/lm_loss(_ppl)`` (and TensorBoard's
-    ``lm loss validation``); returns the loss."""
-    loss = evaluate(trainer, trainer.eval_datasets[split], trainer.args.eval_iters)
-    print_rank_0(validation_block(prefix, loss))
-    trainer.metrics.log_evaluation(trainer.iteration, trainer.consumed_samples, split, loss)
+    """Evaluate `split`, print Megatron's block on rank 0, log ``<split>/lm_loss(_ppl)`` and each MTP depth's
+    ``<split>/mtp_N_loss`` (and TensorBoard's ``lm loss validation``); returns the loss."""
+    losses = evaluate_losses(trainer, trainer.eval_datasets[split], trainer.args.eval_iters)
+    loss = losses.pop("lm loss")
+    print_rank_0(validation_block(prefix, loss, losses))
+    trainer.metrics.log_evaluation(trainer.iteration, trainer.consumed_samples, split, loss, losses)
     return loss

@@ -128,12 +128,15 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=iteration)
 
-    def log_evaluation(self, iteration, consumed_samples, split, loss):
-        """An evaluation's ``<split>/lm_loss`` and ``<split>/lm_loss_ppl`` (Megatron's exp(min(20, loss)));
-        TensorBoard's ``lm loss validation`` (`cp_ext.training.tensorboard`)."""
+    def log_evaluation(self, iteration, consumed_samples, split, loss, others=None):
+        """An evaluation's ``<split>/lm_loss`` and ``<split>/lm_loss_ppl`` (Megatron's exp(min(20, loss))),
+        ``others`` (``{"mtp 1 loss": ...}``) as ``<split>/mtp_1_loss``; TensorBoard's ``lm loss validation``
+        (`cp_ext.training.tensorboard`)."""
         if not self.enabled:
             return
-        self.log_values(iteration, {f"{split}/lm_loss": loss, f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))})
+        values = {f"{split}/lm_loss": loss, f"{split}/lm_loss_ppl": math.exp(min(20.0, loss))}
+        values.update({f"{split}/{name.replace(' ', '_')}": value for name, value in (others or {}).items()})
+        self.log_values(iteration, values)
         self.tensorboard.log_evaluation(iteration, consumed_samples, split, loss)
 
     def close(self, failed=False):

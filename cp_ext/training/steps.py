@@ -24,5 +24,7 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     # Document ids (--reset-attention-mask) go where megatron passes its attention mask: cp_ext's core
     # attention reads an integer [b, s/CP] mask as document ids; None is plain causal attention.
-    output = model(batch.tokens, batch.position_ids, batch.document_ids, labels=batch.labels)
+    # The loss mask reaches the model for MTP's per-depth losses (megatron shifts it with the labels), as
+    # Megatron-LM's pretrain_gpt passes it; without MTP megatron does not read it.
+    output = model(batch.tokens, batch.position_ids, batch.document_ids, labels=batch.labels, loss_mask=batch.loss_mask)
     return output, partial(loss_func, batch.loss_mask)

@@ -35,6 +35,7 @@ from cp_ext.arguments.implementations import implementation_note
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
 from cp_ext.models.gpt_moe import build_model
+from cp_ext.models.mtp import MTPLosses
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
 from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, meta_to_load, release_save_lock
@@ -179,6 +180,10 @@ class Trainer:
         if note:  # flags naming an implementation that does not run here, and what runs instead
             print_rank_0(f"implementations: {note}")
         model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
+        # megatron's MoE loss tracker is process-wide and sized once, by the first model's layer count (with
+        # MTP: --num-layers + --mtp-num-layers); a process that builds another model starts it afresh.
+        get_moe_layer_wise_logging_tracker().clear()
+        MTPLosses.take(0, self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(
@@ -197,6 +202,10 @@ class Trainer:
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         # The tokens of every sample this CP rank holds (all of them when CP = 1).
         self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
+        # The stages that read tokens: the first (it embeds them) and, with MTP, the last (megatron builds the
+        # MTP layers there, with a copy of the embedding, and they embed the shifted ids).
+        self.reads_tokens = parallel_state.is_pipeline_first_stage() or (
+            bool(self.config.mtp_num_layers) and parallel_state.is_pipeline_last_stage())
         self.iteration = 0
         self.consumed_samples = 0
         self.checkpointer = Checkpointer(self)
@@ -213,7 +222,7 @@ class Trainer:
             self.dataset, consumed_samples=self.consumed_samples, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             device=self.device, positions=self.cp_positions,
-            first_stage=parallel_state.is_pipeline_first_stage(), last_stage=parallel_state.is_pipeline_last_stage(),
+            first_stage=self.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
             reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         )
         reports = get_forward_backward_func()(
@@ -234,6 +243,7 @@ class Trainer:
                    "learning rate": lr, "loss scale": self.optimizer.get_loss_scale().item(),
                    "skipped": not update_successful}
         metrics.update(self._aux_losses())
+        metrics.update(self.mtp_losses())
         return metrics
 
     def lm_loss_sums(self, reports):
@@ -247,6 +257,18 @@ class Trainer:
             for report in reports:
                 total += report["lm loss"].to(torch.float64)
         return total
+
+    def mtp_losses(self):
+        """Megatron-LM's ``mtp_1 loss``, ... of the microbatches run since the last call: each depth's
+        token-weighted mean over the global batch (`cp_ext.models.mtp.MTPLosses`), known on every rank."""
+        depths = self.config.mtp_num_layers
+        if not depths:
+            return {}
+        sums = MTPLosses.take(depths, self.device)
+        if not (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0):
+            sums.zero_()  # TP ranks hold replicas of the same losses (as in `lm_loss_sums`)
+        dist.all_reduce(sums)
+        return {f"mtp_{k + 1} loss": (sums[k, 0] / sums[k, 1].clamp(min=1)).item() for k in range(depths)}
 
     def _global_lm_loss(self, reports):
         """Token-weighted mean loss of the whole global batch, known on every rank."""

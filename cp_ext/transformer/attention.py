@@ -97,7 +97,8 @@ class CoreAttention(MegatronModule):
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
         # This layer's --cp-comm-type when the flag lists one per layer (None: the run's groups decide).
         comm_types = getattr(config, "cp_comm_types", None)
-        self.cp_comm_type = comm_types[self.layer_number - 1] if comm_types else None
+        # An MTP layer (number > --num-layers) is built from the last layer's spec and takes its type too.
+        self.cp_comm_type = comm_types[min(self.layer_number, len(comm_types)) - 1] if comm_types else None
         # cp_ext kernel name, or "auto" (picked per call by dtype and head dim).
         self.kernel = getattr(config, "attention_kernel", "auto")
         # Under full recompute: the (out, LSE) kept for this layer's recompute (cp_ext.transformer.recompute).

@@ -46,11 +46,15 @@ LAYOUTS = {
     "mla_cp1": MLA,
     "mla_cp2_ring": MLA + ["--context-parallel-size", "2"],
     "mla_cp4_hybrid": MLA + ["--context-parallel-size", "4", "--ulysses-size", "2"],
+    # DeepSeek-V3's MTP layers are trained, not decoded: generation uses the main head, so the same seed
+    # generates what the model without them does (layout-invariant init: the same main weights)
+    "mtp_cp2_ring": ["--mtp-num-layers", "1", "--context-parallel-size", "2"],
+    "mtp_pp2_cp2": ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
              "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
              "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1", "mla_cp2_ring": "mla_cp1",
-             "mla_cp4_hybrid": "mla_cp1"}
+             "mla_cp4_hybrid": "mla_cp1", "mtp_cp2_ring": "cp1", "mtp_pp2_cp2": "cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 

@@ -34,13 +34,18 @@ GRIDS = {
     "tp2_sp_pp2_distopt": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                            *DISTOPT],
     "cp4_u2r2": ["--context-parallel-size", "4", "--ulysses-size", "2"],
+    # MTP: its layers (on the last stage at PP2, beside a copy of the embedding) move to CP4 U2 x R2
+    "pp2_cp2_mtp": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--mtp-num-layers", "1"],
+    "cp4_u2r2_mtp": ["--context-parallel-size", "4", "--ulysses-size", "2", "--mtp-num-layers", "1"],
 }
+MTP_REFERENCE = ["--mtp-num-layers", "1"]  # the uninterrupted run of the MTP pairs (DP4)
 PAIRS = [  # (saving grid, loading grid): the list, each way
     ("dp4_ep2", "tp2_sp_ep2"), ("tp2_sp_ep2", "dp4_ep2"),
     ("dp4_ep2", "pp2_ep2"), ("pp2_ep2", "dp4_ep2"),
     ("dp4_ep2", "dp4_ep1"), ("dp4_ep1", "dp4_ep2"),
     ("dp4_ep2_distopt", "dp2_cp2_ep2"), ("dp2_cp2_ep2", "dp4_ep2_distopt"),
     ("tp2_sp_pp2_distopt", "cp4_u2r2"),
+    ("pp2_cp2_mtp", "cp4_u2r2_mtp"),
 ]
 SAVED_AT = 4
 FAMILY_SAVE = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
@@ -62,11 +67,16 @@ def results(quick):
                                   for pair in PAIRS])
 def test_resumes_at_another_grid_as_if_uninterrupted(results, pair):
     name = f"{pair[0]}-to-{pair[1]}"
-    ref, resumed = results["uninterrupted"], results[name]
+    mtp = name.endswith("_mtp")
+    ref, resumed = results["uninterrupted_mtp" if mtp else "uninterrupted"], results[name]
     assert resumed["start_iteration"] == SAVED_AT
     assert len(resumed["losses"]) == len(ref) - SAVED_AT
     for it, (got, want) in enumerate(zip(resumed["losses"], ref[SAVED_AT:]), start=SAVED_AT + 1):
         assert abs(got - want) <= 1e-5 * abs(want), f"{name}: iteration {it}: {got} vs uninterrupted {want}"
+    if mtp:  # the MTP layer's weights and moments came along: its loss continues too
+        for it, (got, want) in enumerate(zip(resumed["mtp_1 losses"], results["uninterrupted_mtp_1"][SAVED_AT:]),
+                                         start=SAVED_AT + 1):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{name}: iteration {it}: mtp_1 loss {got} vs {want}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,10 +114,13 @@ def _family(family):
     return [t for t in tiny(family, "--train-iters", str(FAMILY_ITERS), "--log-interval", "1") if t != "--bf16"]
 
 
-def _train(trainer, until):
+def _train(trainer, until, key="lm loss", also=None):
     losses = []
     while trainer.iteration < until:
-        losses.append(trainer.train_step()["lm loss"])
+        metrics = trainer.train_step()
+        losses.append(metrics[key])
+        if also is not None:
+            also.append(metrics["mtp_1 loss"])
     return losses
 
 
@@ -133,6 +146,9 @@ def worker():
     root = Path(holder[0])
     saved = {}
     pairs = selected([f"{a}-to-{b}" for a, b in PAIRS], opts)
+    if any(name.endswith("_mtp") for name in pairs):
+        out["uninterrupted_mtp_1"] = []
+        out["uninterrupted_mtp"] = _train(_trainer(MTP_REFERENCE), 8, also=out["uninterrupted_mtp_1"])
     for source, target in [pair for pair in PAIRS if f"{pair[0]}-to-{pair[1]}" in pairs]:
         if source not in saved:
             trainer = _trainer(GRIDS[source])
@@ -143,7 +159,9 @@ def worker():
                 out["bytes_per_rank"][source] = _bytes_per_rank(saved[source] / f"iter_{SAVED_AT:07d}", 4)
         trainer = _trainer(GRIDS[target] + ["--load", str(saved[source])])
         start = trainer.iteration
-        out[f"{source}-to-{target}"] = {"start_iteration": start, "losses": _train(trainer, 8)}
+        mtp_losses = [] if target.endswith("_mtp") else None
+        out[f"{source}-to-{target}"] = {"start_iteration": start, "losses": _train(trainer, 8, also=mtp_losses),
+                                        "mtp_1 losses": mtp_losses}
     if opts.cases is None:  # the whole launch (not the quick subset's one pair)
         trainer = _trainer(GRIDS["dp4_ep2"] + ["--load", str(saved["dp4_ep2"]), "--no-load-optim"])
         out["no-load-optim"] = {"losses": _train(trainer, 8)}

@@ -106,6 +106,15 @@ def test_another_models_checkpoint_is_refused_at_startup(tmp_path):
     assert "--num-experts 4 (checkpoint: 8)" in message
 
 
+def test_a_checkpoint_without_mtp_layers_is_refused_for_mtp(tmp_path):
+    """--mtp-num-layers adds parameters (mtp.layers.*): a checkpoint of another depth count is another model."""
+    ckpt = _fake_checkpoint(tmp_path / "ck", 4)
+    assert "--mtp-num-layers 2 (checkpoint: None)" in _error(["--load", str(ckpt), "--mtp-num-layers", "2"])
+    ckpt = _fake_checkpoint(tmp_path / "ck2", 4, model_changes={"mtp_num_layers": 1})
+    assert "--mtp-num-layers 2 (checkpoint: 1)" in _error(["--load", str(ckpt), "--mtp-num-layers", "2"])
+    parse_args(FLAGS + ["--load", str(ckpt), "--mtp-num-layers", "1"], world_size=1)
+
+
 def test_a_checkpoint_of_the_old_per_rank_format_is_named(tmp_path):
     ckpt = _fake_checkpoint(tmp_path / "ck", 4)
     meta = ckpt / "iter_0000004" / META

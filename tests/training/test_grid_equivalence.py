@@ -13,12 +13,15 @@ right if megatron's finalize_model_grads sums them over TP. The CP layouts cover
 ring, Ulysses and the hybrid through the real model (RoPE at global positions, sharded
 tokens and loss mask, the per-token loss over DP x CP), and a CP rank whose whole shard
 is masked out. Megatron-LM's five MoE scripts (tests/families) run on every CP type and grid,
-and megatron's alltoall dispatcher against the single-process allgather one.
+and megatron's alltoall dispatcher against the single-process allgather one. Multi-token prediction
+(--mtp-num-layers) adds its mtp losses and evaluation's losses to the comparison, and one run with
+megatron's own roll shows the comparison catches a wrong shift.
 
-Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 86
+Every layout of one world size runs in one launch (1, 2, 4 and 8 ranks: four launches for 104
 layouts), each on its own grid of the same ranks, one after another.
 """
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -180,6 +183,28 @@ def family_args(family, layout_flags):
     return tokens + layout_flags
 
 
+
+# DeepSeek-V3's multi-token prediction: two depths (the second shifts twice across the CP shards), with
+# Megatron-LM's default learned absolute positions (the rolled position ids pick the MTP embedding's rows)
+# and LayerNorm, against CP=1; the lm and each depth's mtp loss compared too.
+MTP_FLAGS = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--position-embedding-type",
+             "learned_absolute", "--normalization", "LayerNorm"]
+MTP = {
+    "cp1_mtp": (1, []),
+    "cp2_ring_mtp": (2, ["--context-parallel-size", "2"]),
+    "cp2_ring_contiguous_mtp": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--cp-load-balance", "none"]),
+    "cp2_ulysses_mtp": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
+    "cp2_all_gather_mtp": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    "cp4_ulysses2_ring2_mtp": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                   "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "tp2sp_cp2_mtp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
+    "tp2cp2dp2_ep2_mtp": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                              "--expert-model-parallel-size", "2"]),
+    # megatron's MTP layer checkpoints itself; cp_ext's CP-aware recompute replays its attention too
+    "cp2_ring_mtp_recompute": (2, ["--context-parallel-size", "2", "--recompute-granularity", "full",
+                                   "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+}
+
 UNMASKED_DOCS = "cp1_docs_unmasked"  # the documents corpus without the flags: they must matter
 RUNS = {name: (n, flags, None) for name, (n, flags) in LAYOUTS.items() if name not in DOCUMENTS}
 RUNS.update({name: (n, flags + DOC_FLAGS, "docs") for name, (n, flags) in DOCUMENTS.items()})
@@ -191,6 +216,30 @@ RUNS.update({name: (n, flags + A2A, None) for name, (n, flags) in ALLTOALL.items
 RUNS.update({name: (n, flags + SHARED, None) for name, (n, flags) in SHARED_EXPERTS.items()})
 RUNS.update({name: (FAMILY_LAYOUTS[layout][0], family_args(family, FAMILY_LAYOUTS[layout][1]), "family")
              for name, (family, layout) in FAMILY_RUNS.items()})
+RUNS.update({name: (n, flags + MTP_FLAGS, None) for name, (n, flags) in MTP.items()})
+# MTP on packed documents (its shifts run over the whole sample, across documents, as megatron's at CP=1)
+# and with multi-latent attention in its layer, each against CP=1 with the same flags.
+MTP_WITH = {
+    "cp4_ulysses2_ring2_mtp_docs": ("cp1_mtp_docs", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                                        "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "cp2_ring_mtp_mla": ("cp1_mtp_mla", 2, ["--context-parallel-size", "2"]),
+    # PP: megatron builds the MTP layers on the last stage with a copy of the embedding (RoPE: no learned
+    # position table to copy), and the last stage reads the tokens too.
+    "pp2_cp2_mtp_rope": ("cp1_mtp_rope", 4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    "pp2_dp2_mtp_rope_untied": ("cp1_mtp_rope_untied", 4, ["--pipeline-model-parallel-size", "2"]),  # DeepSeek-V3's untied head
+}
+MTP_ROPE = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]  # MODEL's RoPE
+RUNS["cp1_mtp_docs"] = (1, MTP_FLAGS + DOC_FLAGS, "docs")
+RUNS["cp4_ulysses2_ring2_mtp_docs"] = (4, MTP_WITH["cp4_ulysses2_ring2_mtp_docs"][2] + MTP_FLAGS + DOC_FLAGS, "docs")
+RUNS["cp1_mtp_mla"] = (1, ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
+RUNS["cp2_ring_mtp_mla"] = (2, MTP_WITH["cp2_ring_mtp_mla"][2] + ["--mtp-num-layers", "2"] + MLA_FLAGS, None)
+RUNS["cp1_mtp_rope"] = (1, MTP_ROPE, None)
+RUNS["pp2_cp2_mtp_rope"] = (4, MTP_WITH["pp2_cp2_mtp_rope"][2] + MTP_ROPE, None)
+RUNS["cp1_mtp_rope_untied"] = (1, MTP_ROPE + ["--untie-embeddings-and-output-weights"], None)
+RUNS["pp2_dp2_mtp_rope_untied"] = (4, MTP_WITH["pp2_dp2_mtp_rope_untied"][2] + MTP_ROPE
+                                   + ["--untie-embeddings-and-output-weights"], None)
+MEGATRON_ROLL = "cp2_ring_contiguous_mtp_megatron_roll"  # megatron's own roll_tensor in cp_ext's place
+RUNS[MEGATRON_ROLL] = (2, MTP["cp2_ring_contiguous_mtp"][1] + MTP_FLAGS, None)
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +333,42 @@ def test_family_matches_single_process(run, runs):
     family, _ = FAMILY_RUNS[run]
     _assert_same(runs(run), runs(f"{family}_cp1"))
 
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.quick] if k == "cp2_ring_contiguous_mtp" else [])
+                                    for k in MTP if k != "cp1_mtp"])
+def test_multi_token_prediction_matches_single_process(layout, runs):
+    """The lm loss, both depths' mtp losses, grad norms and every gradient (the MTP layers' included) equal CP=1's."""
+    reference = runs("cp1_mtp")
+    assert {"mtp_1 loss", "mtp_2 loss"} <= set(reference[0]), sorted(reference[0])
+    mtp_units = [u for u in reference[1] if u.startswith("mtp.")]
+    assert any("eh_proj" in u for u in mtp_units) and all(reference[1][u].abs().max() > 0 for u in mtp_units)
+    _assert_same(runs(layout), reference)
+    assert (runs(layout)[0]["replayed mtp"] > 0) == layout.endswith("_recompute"), runs(layout)[0]["replayed mtp"]
+    evaluation, ref_evaluation = runs(layout)[0]["evaluation"], reference[0]["evaluation"]
+    assert sorted(ref_evaluation) == ["lm loss", "mtp_1 loss", "mtp_2 loss"], ref_evaluation
+    for key, value in ref_evaluation.items():
+        assert abs(evaluation[key] - value) <= 1e-5 * value, f"evaluation's {key} {evaluation[key]} vs CP1's {value}"
+
+
+@pytest.mark.parametrize("layout", list(MTP_WITH))
+def test_multi_token_prediction_with_documents_and_mla_matches_single_process(layout, runs):
+    reference = runs(MTP_WITH[layout][0])
+    assert {"mtp_1 loss", "mtp_2 loss"} <= set(reference[0]), sorted(reference[0])
+    _assert_same(runs(layout), reference)
+
+
+def test_megatron_roll_is_off_on_contiguous_cp(runs):
+    """The comparison above sees the shift: with megatron's own `roll_tensor` (its zigzag assumption) on
+    the contiguous CP2 layout the mtp losses and the gradients move by far more than its tolerance,
+    while iteration 1's lm loss (the main head, no shift) stays CP1's. (Measured: the mtp losses 3e-5 to
+    1.4e-3 off, the grad norm 3e-3, the MTP layers' gradients up to 34%.)"""
+    (run, grads), (ref, ref_grads) = runs(MEGATRON_ROLL), runs("cp1_mtp")
+    assert abs(run["lm loss"][0] - ref["lm loss"][0]) <= 1e-5 * ref["lm loss"][0]
+    off = max(abs(a - b) / b for key in ("mtp_1 loss", "mtp_2 loss") for a, b in zip(run[key], ref[key]))
+    assert off > 10 * 1e-5, f"megatron's roll moves the mtp losses by only {off:.2e}"
+    largest = max(g.abs().max().item() for g in ref_grads.values())
+    moved = max((grads[u] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest) for u, g in ref_grads.items())
+    assert moved > 100 * 1e-5, moved
+
 
 def test_window_and_sink_change_training(runs):
     """The window and the sink are not dropped: the same model without them trains differently (by more
@@ -315,7 +400,7 @@ def test_fully_masked_cp_shard(runs):
 
 def _assert_same(result, reference):
     (run, grads), (ref, ref_grads) = result, reference
-    for key in ("lm loss", "load balancing loss", "grad norm"):
+    for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")]):
         for it, (a, b) in enumerate(zip(run[key], ref[key])):
             assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {key} {a} vs single-process {b}"
     if grads is None:
@@ -343,6 +428,35 @@ def _grad_slices(model):
     return out
 
 
+@contextlib.contextmanager
+def _megatron_roll(on):
+    """`cp_ext.models.mtp`'s shifts replaced by megatron-core's `roll_tensor` (for `MEGATRON_ROLL`)."""
+    import cp_ext.models.mtp as mtp
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    def roll(tensor, layout=None, dim=-1):
+        return roll_tensor(tensor, shifts=-1, dims=dim, cp_group=mpu.get_context_parallel_group())[0]
+
+    class Sequence:
+        def __init__(self, local, layout=None, dim=-1):
+            self.local, self.dim = local, dim
+
+        def shifted(self, k):
+            out = self.local
+            for _ in range(k):
+                out = roll(out, dim=self.dim)
+            return out
+
+    saved = mtp.roll_left, mtp.GlobalSequence
+    if on:
+        mtp.roll_left, mtp.GlobalSequence = roll, Sequence
+    try:
+        yield
+    finally:
+        mtp.roll_left, mtp.GlobalSequence = saved
+
+
 def _train(name, args):
     """Two iterations of layout ``name`` (three with the distributed optimizer) on this launch's
     ranks: (metrics, iteration 1's grads)."""
@@ -365,7 +479,10 @@ def _train(name, args):
     try:
         history, grads = {"lm loss": [], "load balancing loss": [], "grad norm": []}, None
         for _ in range(3 if "--use-distributed-optimizer" in args else 2):
-            metrics = trainer.train_step()
+            with _megatron_roll(name == MEGATRON_ROLL):
+                metrics = trainer.train_step()
+            for key in [k for k in metrics if k.startswith("mtp_")]:  # --mtp-num-layers: mtp_1 loss, ...
+                history.setdefault(key, [])
             for key in history:  # no load-balancing loss where its coefficient is 0 (GPT-OSS)
                 history[key].append(metrics.get(key, 0.0))
             if grads is None:
@@ -375,9 +492,15 @@ def _train(name, args):
     from cp_ext.transformer.attention import CoreAttention
     from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 
+    if "--mtp-num-layers" in args:  # evaluation's losses too, on the first global batch of the train split
+        from cp_ext.training.evaluation import evaluate_losses
+
+        history["evaluation"] = evaluate_losses(trainer, trainer.dataset, 1)
     mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
     history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
+    mtp = getattr(trainer.model[0].module, "mtp", None)
+    history["replayed mtp"] = 0 if mtp is None else sum(m.kept.replayed for m in mtp.modules() if isinstance(m, CoreAttention))
     trainer.shutdown(keep_process_group=True)
     return history, grads
 

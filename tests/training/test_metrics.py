@@ -59,3 +59,16 @@ def test_last_pipeline_stage_loss_reaches_the_logging_rank(tmp_path):
     for a, b in zip(single, piped):
         assert abs(a["train/lm_loss"] - b["train/lm_loss"]) <= 1e-5 * a["train/lm_loss"]
         assert abs(a["train/load_balancing_loss"] - b["train/load_balancing_loss"]) <= 1e-5 * a["train/load_balancing_loss"]
+
+
+def test_mtp_losses_reach_the_iteration_line_metrics_and_evaluation(tmp_path):
+    """--mtp-num-layers 2: Megatron-LM's ``mtp_1 loss`` / ``mtp_2 loss`` on the iteration line and in
+    metrics.jsonl (train/mtp_1_loss), and each depth's value and PPL in the validation block (valid/mtp_1_loss)."""
+    proc, records = _train(tmp_path / "mtp", "--mtp-num-layers", "2", "--eval-interval", "2", "--eval-iters", "1",
+                           "--split", "90,10,0")
+    assert all(record["train/mtp_1_loss"] > 0 and record["train/mtp_2_loss"] > 0 for record in records if "train/lm_loss" in record)
+    assert proc.stdout.count("| mtp_1 loss: ") == 2 and proc.stdout.count("| mtp_2 loss: ") == 2, proc.stdout
+    assert " validation loss at iteration 2 | lm loss value: " in proc.stdout
+    assert "| mtp_1 loss value: " in proc.stdout and "| mtp_2 loss PPL: " in proc.stdout, proc.stdout
+    valid = [record for record in records if "valid/lm_loss" in record]
+    assert len(valid) == 1 and valid[0]["valid/mtp_1_loss"] > 0 and valid[0]["valid/mtp_2_loss"] > 0, valid
