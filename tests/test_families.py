@@ -97,6 +97,8 @@ def test_script_flags_train_at_cp2(family, trained):
     assert len(run["lm loss"]) == 3 and all(math.isfinite(x) for x in run["lm loss"] + run["grad norm"]), run
     assert run["dtype"] == "torch.bfloat16", run["dtype"]  # the script's --bf16
     assert run["dispatcher"] == "MoEAlltoAllTokenDispatcher", run["dispatcher"]
+    # GPT-OSS's --padded-vocab-size (512 here) sets the rows; the others pad 257 bytes to 128's multiple
+    assert run["vocab_rows"] == (512 if family == "gpt_oss_20b" else 384), run["vocab_rows"]
     # megatron's normalization (`track_moe_metrics`): about 1 for the near-uniform routing at init, averaged
     # over the MoE layers only (dense-first layers log none: over all 4 layers DeepSeek's would read 0.75)
     losses = sorted(k for k in run if "load balancing loss" in k)
@@ -129,6 +131,7 @@ def worker():
         layer = next(m for m in model.modules() if hasattr(m, "token_dispatcher"))
         results[family] = dict(history, parameters=[n for n, _ in model.named_parameters()],
                                dtype=str(next(model.parameters()).dtype),
+                               vocab_rows=next(p for n, p in model.named_parameters() if "word_embeddings" in n).shape[0],
                                dispatcher=type(layer.token_dispatcher).__name__)
         trainer.shutdown(keep_process_group=True)
     write_results(opts.results_dir, results)

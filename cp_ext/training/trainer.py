@@ -168,8 +168,14 @@ class Trainer:
                     raise ConfigError(f"  - --eval-interval: {e}") from None
                 print_rank_0(f"note: no evaluation on the {split} split: {e}")
         vocab = args.vocab_size or self.dataset.vocab_size
-        self.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
-                                                   args.tensor_model_parallel_size)
+        if args.padded_vocab_size is not None:  # Megatron-LM's: the embedding's rows as given (GPT-OSS's 201088)
+            if args.padded_vocab_size < vocab:
+                raise ConfigError(f"  - --padded-vocab-size {args.padded_vocab_size} is below the vocabulary's {vocab} "
+                                  f"tokens; raise it to at least {vocab} or drop it")
+            self.padded_vocab_size = args.padded_vocab_size
+        else:
+            self.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
+                                                       args.tensor_model_parallel_size)
 
         self.config = transformer_config_from_args(args)
         # megatron's MoE loss tracker is process-wide, sized by the first model's layers and keyed by its loss

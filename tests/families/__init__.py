@@ -22,7 +22,7 @@ TINY_SIZES = {
     "--moe-router-topk": "2", "--moe-shared-expert-intermediate-size": "24", "--moe-router-num-groups": "2",
     "--moe-router-group-topk": "1", "--q-lora-rank": "12", "--kv-lora-rank": "16", "--qk-head-dim": "8",
     "--qk-pos-emb-head-dim": "4", "--v-head-dim": "8", "--seq-length": "64", "--max-position-embeddings": "64",
-    "--window-size": "6,0", "--make-vocab-size-divisible-by": "128", "--padded-vocab-size": "384",
+    "--window-size": "6,0", "--make-vocab-size-divisible-by": "128", "--padded-vocab-size": "512",
     "--micro-batch-size": "1", "--global-batch-size": "2",
     # dense-first layers, as many as the 4 layers allow: DeepSeek-V2-Lite 1 of 27, DeepSeek-R1 3 of 61
     "--moe-layer-freq": None,
