@@ -9,6 +9,9 @@ against tools/measure_memory.py.
     python tools/plan_parallelism.py --layers 32 --hidden 4096 --heads 32 --kv-heads 8 \
         --ffn 14336 --experts 8 --topk 2 --vocab 32000 --seq-length 32768 ...
     python tools/plan_parallelism.py --model llama2-7b --kv-arithmetic    # the textbook KV numbers
+    python tools/plan_parallelism.py --nodes 8 -- --config configs/qwen3_30b_a3b_128k_8x8gpu.yaml
+        # the model as pretrain_moe.py builds it from its flags (`ModelShape.from_args`); the
+        # sequence length, batch sizes and precision default to the flags' too
 
 For every TP (within a node, dividing the heads), PP (dividing the layers), CP (seq divisible
 by 2 CP) with DP = GPUs / (TP PP CP) dividing the global batch, it folds EP (the largest
@@ -173,13 +176,13 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(PRESETS), default=None, help="a preset; explicit flags override it")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "topk", "moe-ffn"):
         p.add_argument(f"--{name}", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=131072)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the trainer flags', else 131072")
+    p.add_argument("--global-batch", type=int, default=None, help="default: the trainer flags', else 64")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: the trainer flags', else 1")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the trainer flags', else bf16")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU inside a node (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (IB)")
@@ -189,21 +192,15 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=10, help="valid layouts to print")
     p.add_argument("--show-invalid", action="store_true", help="also list the excluded layouts and why")
     p.add_argument("--kv-arithmetic", action="store_true", help="print the textbook KV-cache arithmetic and exit")
+    p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
+                   help="after --: pretrain_moe.py flags (or --config YAML) describing the model instead of --model")
     args = p.parse_args(argv)
+    flags = [f for f in args.trainer_flags if f != "--"]
+    m = _shape_from_trainer_flags(p, args, flags) if flags else _shape_from_planner_flags(p, args)
+    for key, default in (("seq_length", 131072), ("global_batch", 64), ("micro_batch", 1), ("dtype", "bf16")):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
 
-    base = PRESETS[args.model] if args.model else None
-    vals = {}
-    for key, flag in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
-                      ("ffn", "ffn"), ("vocab", "vocab"), ("experts", "experts"), ("topk", "topk"), ("moe_ffn", "moe_ffn")):
-        v = getattr(args, flag)
-        vals[key] = v if v is not None else (getattr(base, key) if base else None)
-    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if vals[k] is None]
-    if missing:
-        p.error(f"give --model or all of --layers --hidden --heads --ffn --vocab (missing: {', '.join(missing)})")
-    vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
-    vals["experts"] = vals["experts"] or 0
-    vals["topk"] = vals["topk"] or (base.topk if base else 1)
-    m = ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
     if args.kv_arithmetic:
         print(f"MHA:  {kv_arithmetic(m, args.seq_length, mha=True)}")
         print(f"GQA:  {kv_arithmetic(m, args.seq_length, mha=False)}")
@@ -240,6 +237,38 @@ def main(argv=None):
             if not pl.valid:
                 print(f"    excluded {_fmt_grid(pl.grid, pl.comm_type):34s} {pl.reason}")
     return 0 if valid else 1
+
+
+def _shape_from_planner_flags(p, args) -> ModelShape:
+    base = PRESETS[args.model] if args.model else None
+    vals = {}
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "topk", "moe_ffn"):
+        v = getattr(args, key)
+        vals[key] = v if v is not None else (getattr(base, key) if base else None)
+    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if vals[k] is None]
+    if missing:
+        p.error(f"give --model, all of --layers --hidden --heads --ffn --vocab (missing: {', '.join(missing)}), "
+                f"or the trainer flags after --")
+    vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
+    vals["experts"] = vals["experts"] or 0
+    vals["topk"] = vals["topk"] or (base.topk if base else 1)
+    return ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
+
+
+def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
+    """The model (and unset sequence length, batch sizes, precision) from pretrain_moe.py's flags,
+    parsed at the cluster's world size, as the trainer would."""
+    from cp_ext.arguments import ConfigError, parse_args
+
+    try:
+        a = parse_args(flags, world_size=args.gpus_per_node * args.nodes)
+    except ConfigError as e:
+        p.error(f"the trainer flags do not parse:\n{e}")
+    for key, value in (("seq_length", a.seq_length), ("global_batch", a.global_batch_size),
+                       ("micro_batch", a.micro_batch_size), ("dtype", "bf16" if a.bf16 else "fp32")):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return ModelShape.from_args(a)
 
 
 if __name__ == "__main__":

@@ -62,61 +62,11 @@ Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequenc
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
+from cp_ext.perf.model_shape import (  # noqa: F401  (re-exported: the planner's one model description)
+    PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, params_per_layer, total_params,
+)
+
 GiB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    experts: int = 0
-    topk: int = 1
-    moe_ffn: Optional[int] = None
-    swiglu: bool = True
-    tied_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def expert_ffn(self) -> int:
-        return self.moe_ffn or self.ffn
-
-
-PRESETS: Dict[str, ModelShape] = {
-    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False),
-    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, tied_embeddings=False),
-    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, tied_embeddings=False),
-    "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
-                               topk=2, tied_embeddings=False),
-    "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
-}
-
-
-def mlp_matrices(m: ModelShape) -> int:
-    return 3 if m.swiglu else 2
-
-
-def params_per_layer(m: ModelShape) -> Dict[str, int]:
-    """Parameters of one layer: attention + norms ('dense'), the MLP or the experts ('expert')."""
-    d = m.head_dim
-    attn = m.hidden * (m.heads * d + 2 * m.kv_heads * d) + m.heads * d * m.hidden
-    norms = 2 * m.hidden
-    if m.experts:
-        return {"dense": attn + norms + m.hidden * m.experts,  # + router
-                "expert": m.experts * mlp_matrices(m) * m.hidden * m.expert_ffn}
-    return {"dense": attn + norms + mlp_matrices(m) * m.hidden * m.ffn, "expert": 0}
-
-
-def total_params(m: ModelShape) -> int:
-    per = params_per_layer(m)
-    emb = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
-    return m.layers * (per["dense"] + per["expert"]) + emb + m.hidden
 
 
 def bytes_per_param(dtype: str, distributed_optimizer: bool, shards: int) -> Dict[str, float]:
@@ -259,25 +209,42 @@ class Grid:
         return self.tp * self.pp * self.cp * self.dp
 
 
+def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:
+    """Unsharded parameters of one pipeline stage: its layers (dense-first layers make the stages
+    differ), the embedding on the first, the output layer (a copy when tied and PP > 1), final norm
+    and MTP layers on the last. PP = 1: all of it."""
+    per_stage = m.layers // pp
+    parts = [layer_params(m, i) for i in range(stage * per_stage, (stage + 1) * per_stage)]
+    dense = sum(p["dense"] for p in parts)
+    expert = sum(p["expert"] for p in parts)
+    emb = m.vocab * m.hidden
+    if stage == 0:
+        dense += emb + m.learned_positions * m.hidden
+    if stage == pp - 1:
+        dense += (0 if m.tied_embeddings and pp == 1 else emb) + m.hidden
+        mtp = mtp_layer_params(m)
+        dense += m.mtp_layers * mtp["dense"]
+        expert += m.mtp_layers * mtp["expert"]
+    return {"dense": dense, "expert": expert}
+
+
 def weight_bytes(m: ModelShape, grid: Grid, *, dtype: str = "bf16", distributed_optimizer: bool = True) -> Dict[str, float]:
-    """Weights, grads and optimizer states per rank (the heaviest pipeline stage)."""
-    per = params_per_layer(m)
-    stage_layers = m.layers // grid.pp
-    emb = m.vocab * m.hidden / grid.tp
-    # first stage: embedding; last stage: output layer (a copy when tied and PP > 1). PP = 1: both.
-    if grid.pp == 1:
-        emb_params = emb * (1 if m.tied_embeddings else 2)
-    else:
-        emb_params = emb
-    dense = stage_layers * per["dense"] / grid.tp + emb_params + m.hidden
-    expert = stage_layers * per["expert"] / (grid.ep * grid.etp)
+    """Weights, grads and optimizer states per rank (the heaviest pipeline stage): dense parameters
+    sharded by TP, optimizer state over DP x CP; experts by EP x ETP, over the expert-DP ranks."""
     dense_shards = grid.dp * grid.cp
     expert_shards = max(1, grid.dp * grid.cp * grid.tp // (grid.ep * grid.etp))
     bd = bytes_per_param(dtype, distributed_optimizer, dense_shards)
     be = bytes_per_param(dtype, distributed_optimizer, expert_shards)
-    out = {k: dense * bd[k] + expert * be[k] for k in ("weights", "grads", "optimizer")}
-    out["params"] = dense + expert
-    return out
+    best = None
+    for stage in range(grid.pp):
+        p = stage_params(m, grid.pp, stage)
+        dense, expert = p["dense"] / grid.tp, p["expert"] / (grid.ep * grid.etp)
+        out = {k: dense * bd[k] + expert * be[k] for k in ("weights", "grads", "optimizer")}
+        out["params"] = dense + expert
+        if best is None or sum(out[k] for k in ("weights", "grads", "optimizer")) > \
+                sum(best[k] for k in ("weights", "grads", "optimizer")):
+            best = out
+    return best
 
 
 def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
@@ -295,7 +262,7 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     return out
 
 
-__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "all_gather_transient_bytes",
-           "bytes_per_param", "korthikanti_layer_bytes",
-           "kv_state_bytes", "layer_activation_elems", "params_per_layer", "rank_memory", "replace", "total_params",
-           "weight_bytes"]
+__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "active_params", "all_gather_transient_bytes",
+           "bytes_per_param", "korthikanti_layer_bytes", "mlp_matrices", "mtp_layer_params",
+           "kv_state_bytes", "layer_activation_elems", "layer_params", "params_per_layer", "rank_memory", "replace",
+           "stage_params", "total_params", "weight_bytes"]

@@ -1,0 +1,59 @@
+"""`ModelShape.from_args` counts the parameters megatron-core builds, exactly, for every family of
+tests/families (MLA with and without q-LoRA, dense-first layers, shared experts, qk-norm,
+kv_channels != hidden / heads, biases, sinks) and for variants of the flags the scripts do not use
+(LayerNorm, a QKV-only bias, learned positions, an integer --moe-layer-freq): per layer and in total.
+All models are built in one process (one megatron import)."""
+
+import json
+import sys
+
+import pytest
+
+from cp_ext.arguments import parse_args
+from cp_ext.perf.model_shape import ModelShape, layer_params, total_params
+from tests.families import FAMILIES, tiny
+from tests.launch import one_rank_megatron, run_code
+
+VOCAB = 384  # what the trainer pads the byte tokenizer's 257 to (--make-vocab-size-divisible-by 128)
+CASES = {family: tiny(family) for family in FAMILIES}
+CASES.update({
+    "mixtral_layernorm_qkv_bias": tiny("mixtral_8x7b", "--normalization", "LayerNorm", "--add-qkv-bias"),
+    "qwen3_learned_positions_moe_every_2nd": tiny("qwen3_30b_a3b", "--position-embedding-type", "learned_absolute",
+                                                  "--moe-layer-freq", "2"),
+    "deepseek_v2_lite_no_qk_layernorm": [t for t in tiny("deepseek_v2_lite") if t != "--qk-layernorm"],
+})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shape")
+    (tmp / "cases.json").write_text(json.dumps(CASES))
+    code = one_rank_megatron(tmp, cp_ext_groups=True) + f"""
+import json
+from cp_ext.arguments import parse_args
+from cp_ext.config import transformer_config_from_args
+from cp_ext.models.gpt_moe import build_model
+out = {{}}
+for name, flags in json.loads(open("{tmp}/cases.json").read()).items():
+    args = parse_args(flags)
+    model = build_model(transformer_config_from_args(args), args, {VOCAB})
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
+    out[name] = dict(total=sum(p.numel() for p in model.parameters()), layers=layers)
+print("RESULT " + json.dumps(out))
+"""
+    proc = run_code(code, timeout=300)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_parameter_count_equals_the_built_model(name, built):
+    shape = ModelShape.from_args(parse_args(CASES[name]), vocab=VOCAB)
+    got = built[name]
+    per_layer = [sum(layer_params(shape, i).values()) for i in range(shape.layers)]
+    assert per_layer == got["layers"], (name, per_layer, got["layers"])
+    assert total_params(shape) == got["total"], (name, total_params(shape), got["total"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
