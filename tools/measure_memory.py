@@ -343,7 +343,8 @@ def planner_estimate(record, trainer_flags, mode, part="total"):
     return activation_bytes(shape, s=a.seq_length, b=a.micro_batch_size, tp=a.tensor_model_parallel_size,
                             cp=a.context_parallel_size, dtype="bf16" if a.bf16 else "fp32",
                             recompute=PLANNER_MODE[mode], sequence_parallel=a.sequence_parallel,
-                            cp_comm_type=comm_type)[part]
+                            cp_comm_type=comm_type, ulysses=record.get("ulysses") or 1,
+                            mla_exchange=a.cp_mla_exchange)[part]
 
 
 def _mib(n):

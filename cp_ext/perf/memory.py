@@ -66,6 +66,8 @@ from cp_ext.perf.model_shape import (  # noqa: F401  (re-exported: the planner's
     PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, params_per_layer, total_params,
 )
 
+from cp_ext.perf.activations import layer_activation_elems, mla_takes_latent, outside_layers_bytes
+
 GiB = 2 ** 30
 
 
@@ -76,30 +78,6 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, shards: int) -> Dic
     else:
         w, g, opt = 2, 4, 12
     return {"weights": w, "grads": g, "optimizer": opt / shards if distributed_optimizer else opt}
-
-
-def layer_activation_elems(m: ModelShape, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> Dict[str, float]:
-    """Elements saved per token per layer, split into activation-dtype and fp32 parts."""
-    h, d, a, g = m.hidden, m.head_dim, m.heads, m.kv_heads
-    sp = tp if sequence_parallel else 1
-    f = m.topk * m.expert_ffn if m.experts else m.ffn
-    mlp = (2 * f + 3 * f) if m.swiglu else (f + 2 * f)
-    act = (4 * h + h) / sp  # norm in/out x 2, residual
-    act += (h + (h + 2 * g * d) + g * d) / tp  # RoPE'd query copy, mixed QKV, RoPE'd key
-    act += (2 * h + (h if cp > 1 else 0)) / tp  # attention output, linear_proj input (+ CP output)
-    act += mlp / tp + 4 * d
-    if m.experts:
-        # router logits; each of the top-k routed copies of a token also keeps its permuted
-        # input (h) and one more expert-FFN intermediate (megatron's SequentialMLP experts,
-        # measured: tools/measure_memory.py --verbose on a 4-expert top-2 model)
-        act += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
-    fp32 = 2 / sp + a / tp  # rstd x 2, LSE
-    # Of these, what a layer saves after its attention call (freed by the time the backward
-    # reaches that attention): linear_proj's input, the second norm's in/out and rstd, the MLP / MoE.
-    post = 2 * h / sp + h / tp + mlp / tp
-    if m.experts:
-        post += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
-    return {"act": act, "fp32": fp32, "post_act": post, "post_fp32": 1 / sp}
 
 
 def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = True) -> float:
@@ -114,17 +92,21 @@ CP_COMM_TYPES = (None, "p2p", "a2a", "a2a+p2p", "all_gather")
 
 
 def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1,
-                               dtype: str = "bf16") -> Dict[str, float]:
+                               dtype: str = "bf16", latent: bool = False) -> Dict[str, float]:
     """Bytes one all-gather attention call holds on a rank while it runs (0 at CP = 1).
 
-    forward: the gathered K/V ``[2, b, g/t, s, d]`` in the activation dtype; backward: the same
-    again plus the full-sequence dK/dV in fp32 before the reduce-scatter, and the call's fp32
-    results (this rank's 1/cp of dK/dV, dQ). ``peak`` is the larger.
+    forward: the gathered K/V ``[b, g/t, s, d + d_v]`` (MLA's latent: ``[b, 1, s, r + p]``) in the
+    activation dtype; backward: the same again plus its full-sequence gradient in fp32 before the
+    reduce-scatter, and the call's fp32 results (this rank's 1/cp of that gradient, dQ). ``peak``
+    is the larger. Only the GQA/MHA case is measured (tests/tools/test_measure_memory.py).
     """
     if cp <= 1:
         return {"fwd": 0.0, "bwd": 0.0, "peak": 0.0}
     e = 4 if dtype == "fp32" else 2
-    kv = 2 * b * max(1, m.kv_heads // tp) * s * m.head_dim
+    if latent:
+        kv = b * s * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    else:
+        kv = b * max(1, m.kv_heads // tp) * s * (m.head_dim + m.v_dim)
     q_local = b * max(1, m.heads // tp) * s / cp * m.head_dim
     fwd, bwd = kv * e, kv * e + kv * 4 * (1 + 1 / cp) + q_local * 4
     return {"fwd": float(fwd), "bwd": float(bwd), "peak": float(max(fwd, bwd))}
@@ -132,8 +114,8 @@ def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1
 
 def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                      dtype: str = "bf16", recompute=None, sequence_parallel: bool = True,
-                     microbatches_in_flight: Optional[int] = None, cp_comm_type: Optional[str] = None
-                     ) -> Dict[str, float]:
+                     microbatches_in_flight: Optional[int] = None, cp_comm_type: Optional[str] = None,
+                     ulysses: int = 1, mla_exchange: str = "auto") -> Dict[str, float]:
     """Per-rank activation bytes of one training step (first pipeline stage, the largest).
 
     ``recompute``: None (keep everything), ``"full"`` (megatron's full recompute, one layer per
@@ -141,7 +123,8 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     cp_ext's default under full recompute). ``True`` means ``"full_cp_aware"``.
     ``cp_comm_type``: None (today's ring / Ulysses / hybrid) or a `CP_COMM_TYPES` name;
     ``"all_gather"`` adds its transient K/V where it raises the peak (module docstring);
-    ``"attention_transient"`` is what one call holds.
+    ``"attention_transient"`` is what one call holds. ``ulysses`` and ``mla_exchange``
+    (``--cp-mla-exchange``) decide whether MLA's CP attention takes the latent.
     """
     if recompute is True:
         recompute = "full_cp_aware"
@@ -149,37 +132,44 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
-    transient = (all_gather_transient_bytes(m, s=s, b=b, tp=tp, cp=cp, dtype=dtype)["peak"]
-                 if cp_comm_type == "all_gather" else 0.0)
+    all_gather = cp_comm_type == "all_gather"
+    latent = mla_takes_latent(m, tp=tp, cp=cp, ulysses=1 if all_gather else ulysses, all_gather=all_gather,
+                              exchange=mla_exchange)
+    transient = (all_gather_transient_bytes(m, s=s, b=b, tp=tp, cp=cp, dtype=dtype, latent=latent)["peak"]
+                 if all_gather else 0.0)
     e = 4 if dtype == "fp32" else 2
     tokens = s * b / cp
-    per_layer = layer_activation_elems(m, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    layer_bytes = tokens * (per_layer["act"] * e + per_layer["fp32"] * 4)
+    sp = tp if sequence_parallel else 1
     stage_layers = m.layers // pp
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
-    sp = tp if sequence_parallel else 1
-    # outside the layers: embedding output, final norm in/out (3h), logits (V / t), tokens
-    vocab_part = tokens * (3 * m.hidden / sp * e + m.vocab / tp * 4 + 4)
-    # saved after a layer's attention call: freed before the backward reaches that attention
-    post_attention = tokens * (per_layer["post_act"] * e + per_layer["post_fp32"] * 4)
+    per = [layer_activation_elems(m, i, tp=tp, cp=cp, sequence_parallel=sequence_parallel, latent=latent)
+           for i in range(stage_layers)]
+    layer_bytes = [tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]) for x in per]
+    vocab_part = tokens * outside_layers_bytes(m, e=e, tp=tp, sp=sp)
+    # MTP layers (pp = 1: on this stage): one more layer like the last and its own logits each
+    mtp = m.mtp_layers * (layer_bytes[-1] + vocab_part) if pp == 1 else 0.0
+    # saved after the last layer's attention call: freed before the backward reaches that attention
+    last = per[-1]
+    post_attention = tokens * (last["post_act"] * e + last["post_fp32"] * 4 + last["post_bytes"])
     if recompute is None:
-        layers_bytes = stage_layers * in_flight * layer_bytes
+        layers_bytes = in_flight * sum(layer_bytes) + mtp
         # the transient peaks in the last layer's attention backward: the logits are freed by then
         total = max(layers_bytes + vocab_part, layers_bytes - post_attention + transient)
         return {"layers": layers_bytes, "embedding+logits": vocab_part, "attention_transient": transient,
                 "total": total}
     # Full recompute keeps each layer's input (the checkpoint) and, CP-aware, its attention
-    # output (h / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
+    # output (a d_v / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
     # one layer at a time, while that layer is recomputed in backward; by then the logits'
     # activations are freed, so the peak is the larger of the two working sets. The recomputed
     # layer's input is the checkpoint itself (same storage), and with CP-aware recompute its
     # attention output and LSE are the kept ones: hence the subtractions.
     layer_input = tokens * m.hidden * e / sp
-    kept = tokens * (m.hidden * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
-    held = stage_layers * in_flight * (layer_input + kept)
-    recomputed = layer_bytes - layer_input - kept
+    kept = tokens * (m.heads * m.v_dim * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
+    held = (stage_layers + (m.mtp_layers if pp == 1 else 0)) * in_flight * (layer_input + kept)
+    recomputed = max(layer_bytes) - layer_input - kept
+    last_recomputed = layer_bytes[-1] - layer_input - kept
     # the transient peaks in the recomputed layer's attention backward, on top of its pre-attention part
-    working = max(recomputed, vocab_part, recomputed - post_attention + transient)
+    working = max(recomputed, vocab_part, last_recomputed - post_attention + transient)
     return {"layers": held + recomputed, "embedding+logits": vocab_part, "attention_transient": transient,
             "total": held + working}
 
@@ -189,7 +179,7 @@ def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 
     """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank."""
     e = 4 if dtype == "fp32" else 2
     g = m.heads if mha else m.kv_heads
-    kv = 2 * m.layers * g * m.head_dim * s * b * e / (tp * cp)
+    kv = m.layers * g * (m.head_dim + m.v_dim) * s * b * e / (tp * cp)  # MLA: per-head K (d_qk + p), V (d_v)
     lse = m.layers * m.heads * s * b * 4 / (tp * cp)
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
@@ -253,7 +243,8 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     (``cp_comm_type`` as in `activation_bytes`; the all-gather transient is inside "activations")."""
     w = weight_bytes(m, grid, dtype=dtype, distributed_optimizer=distributed_optimizer)
     act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,
-                           microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type)
+                           microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type,
+                           ulysses=grid.ulysses)
     kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype)
     out = {"params": w["params"], "weights": w["weights"], "grads": w["grads"], "optimizer": w["optimizer"],
            "activations": act["total"], "kv_state": kv["total"], "attention_transient": act["attention_transient"]}

@@ -44,6 +44,7 @@ class ModelShape:
     topk: int = 1
     moe_ffn: Optional[int] = None
     swiglu: bool = True  # any gated MLP (SwiGLU, quick-GeGLU): fc1 is twice as wide
+    quick_geglu: bool = False  # GPT-OSS's gated activation: one more intermediate saved (activations only)
     tied_embeddings: bool = True
     kv_channels: Optional[int] = None  # head dim when it is not hidden / heads (Qwen3, GPT-OSS)
     qk_layernorm: bool = False
@@ -52,6 +53,7 @@ class ModelShape:
     layernorm: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight)
     moe_layer_freq: PatternLike = 1  # Megatron's: 1 every layer MoE; [0, 1, 1] dense-first
     shared_expert_ffn: Optional[int] = None
+    shared_expert_overlap: bool = False  # --moe-shared-expert-overlap: saves one intermediate fewer (measured)
     softmax_type: str = "vanilla"  # "learnable": a sink per head and layer (GPT-OSS)
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: PatternLike = None
@@ -62,6 +64,12 @@ class ModelShape:
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    # the router's scoring (what it saves for backward: `cp_ext.perf.activations.router_saved_bytes`)
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss: bool = True  # a load-balancing loss with a coefficient > 0
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
     learned_positions: int = 0  # --position-embedding-type learned_absolute: max_position_embeddings rows
 
     @property
@@ -112,12 +120,14 @@ class ModelShape:
             kv_heads=args.num_attention_heads if mla else args.num_query_groups, ffn=args.ffn_hidden_size,
             vocab=vocab, experts=args.num_experts or 0, topk=args.moe_router_topk if args.num_experts else 1,
             moe_ffn=args.moe_ffn_hidden_size, swiglu=bool(args.swiglu or args.quick_geglu),
+            quick_geglu=bool(args.quick_geglu),
             tied_embeddings=not args.untie_embeddings_and_output_weights,
             kv_channels=None if mla else args.kv_channels, qk_layernorm=bool(args.qk_layernorm),
             add_bias_linear=bool(args.add_bias_linear), add_qkv_bias=bool(args.add_qkv_bias),
             layernorm=args.normalization == "LayerNorm",
             moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
-            shared_expert_ffn=args.moe_shared_expert_intermediate_size, softmax_type=args.softmax_type,
+            shared_expert_ffn=args.moe_shared_expert_intermediate_size,
+            shared_expert_overlap=bool(args.moe_shared_expert_overlap), softmax_type=args.softmax_type,
             window_size=None if args.window_size is None else tuple(args.window_size),
             window_attn_skip_freq=(tuple(args.window_attn_skip_freq) if isinstance(args.window_attn_skip_freq, list)
                                    else args.window_attn_skip_freq),
@@ -125,6 +135,10 @@ class ModelShape:
             kv_lora_rank=args.kv_lora_rank if mla else 0, qk_head_dim=args.qk_head_dim if mla else 0,
             qk_pos_emb_head_dim=args.qk_pos_emb_head_dim if mla else 0, v_head_dim=args.v_head_dim if mla else 0,
             mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
+            moe_aux_loss=bool(args.moe_aux_loss_coeff) and args.moe_router_load_balancing_type != "none",
+            moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
             learned_positions=(args.max_position_embeddings if args.position_embedding_type == "learned_absolute"
                                else 0),
         )

@@ -63,10 +63,12 @@ def test_weight_bytes_by_hand():
 def test_activation_formula_by_hand_and_scaling():
     m = ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384)
     a1 = activation_bytes(m, s=4096, dtype="fp32")
-    # per layer per token: 5h + (h + 3h + h) + 2h + 5f + 4d elements (fp32) + 2 rstd + 4 LSE
-    per_layer = (5 * 64 + 5 * 64 + 2 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4
+    # per layer per token (cp_ext.perf.activations): norms 2 x 3h, mixed QKV 3h, RoPE'd q and k 2h,
+    # RoPE 4d, attention output h, MLP 5f elements (fp32) + 2 rstd + 4 LSE
+    per_layer = (6 * 64 + 3 * 64 + 2 * 64 + 4 * 16 + 64 + 5 * 128) * 4 + (2 + 4) * 4
     assert a1["layers"] == 2 * 4096 * per_layer
-    assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 384 * 4 + 4)
+    # final norm 3h + rstd, fp32 logits, ids + labels (int64), loss mask (bool), per-token loss
+    assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 4 + 384 * 4 + 8 + 8 + 1 + 4)
     a2 = activation_bytes(m, s=4096, cp=2, dtype="fp32")
     assert a2["total"] / a1["total"] <= 1.15 / 2
     # full recompute keeps only the layer inputs, plus the larger of one layer's working set
@@ -123,13 +125,13 @@ def test_all_gather_transient_by_hand():
     with pytest.raises(ValueError):
         activation_bytes(m, s=4096, cp=8, cp_comm_type="allgather")
     # CP8, 512 tokens per rank: the transient exceeds what is freed before the last layer's attention
-    # backward (logits + that layer's post-attention part: linear_proj input h, norm 2h + rstd, MLP 5f),
+    # backward (logits + that layer's post-attention part: linear_proj input h, norm 3h + rstd, MLP 5f),
     # so it sets the peak: saved layers - post-attention + transient
     ag = activation_bytes(m, s=4096, cp=8, dtype="fp32", cp_comm_type="all_gather")
-    per_layer = (5 * 64 + 5 * 64 + 3 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4  # + h: CP keeps its output apart
+    per_layer = (6 * 64 + 3 * 64 + 2 * 64 + 4 * 16 + 2 * 64 + 5 * 128) * 4 + (2 + 4) * 4  # + h: CP keeps its output apart
     layers = 2 * 512 * per_layer
-    post = 512 * ((2 * 64 + 64 + 5 * 128) * 4 + 4)
-    assert base["total"] == layers + 512 * (3 * 64 * 4 + 384 * 4 + 4)
+    post = 512 * ((3 * 64 + 64 + 5 * 128) * 4 + 4)
+    assert base["total"] == layers + 512 * (3 * 64 * 4 + 4 + 384 * 4 + 21)
     assert ag["attention_transient"] == bwd and ag["total"] == layers - post + bwd > base["total"]
     # CP2: the same transient hides under the logits and the post-attention activations: no change
     assert activation_bytes(m, s=4096, cp=2, dtype="fp32", cp_comm_type="all_gather")["total"] == \
