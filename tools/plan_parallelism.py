@@ -42,7 +42,9 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_ext.perf import comm  # noqa: E402
+from cp_ext.perf.activations import mla_takes_latent  # noqa: E402
 from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, replace, total_params  # noqa: E402
+from cp_ext.perf.model_shape import active_params, describe  # noqa: E402
 
 
 @dataclass
@@ -63,15 +65,29 @@ def divisors(n: int) -> List[int]:
 
 
 def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type: Optional[str] = None) -> dict:
-    """Bytes sent per rank per layer (forward + backward) by collective."""
-    hk_local = max(1, m.kv_heads // g.tp)
-    cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=hk_local, s=s, d=m.head_dim, cp=g.cp,
-                                  ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
+    """Bytes sent per rank per layer (forward + backward) by collective.
+
+    MLA: per-head K (d_qk + p) and V (d_v), or, where `cp_ext.transformer.mla` takes it (ring or
+    all-gather, TP 1, smaller), the latent ``r + p`` per token (`comm.mla_exchange_bytes`)."""
+    all_gather = comm_type == "all_gather"
+    latent = mla_takes_latent(m, tp=g.tp, cp=g.cp, ulysses=1 if all_gather else g.ulysses, all_gather=all_gather)
+    if latent:
+        cpb = comm.mla_exchange_bytes(b=b, h=m.heads, s_local=s // g.cp, qk_head_dim=m.qk_head_dim,
+                                      qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                                      kv_lora_rank=m.kv_lora_rank, cp=g.cp, dtype=dtype, exchange="latent",
+                                      comm_type=comm_type)
+        cpb["ulysses_a2a"] = {"fwd": 0, "bwd": 0}
+    else:
+        # K and V of d and d_v: the formulas' 2 d per KV head (and q + out per head) at their mean
+        d = (m.head_dim + m.v_dim) / 2
+        cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=max(1, m.kv_heads // g.tp), s=s, d=d, cp=g.cp,
+                                      ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
     tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
     ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
     both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
     return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]),
-            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]), "ep": both(ep)}
+            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]), "ep": both(ep),
+            "mla_latent": latent}
 
 
 # --cp-comm-types: Megatron's names; "a2a+p2p" is cp_ext's default Ulysses x ring (U picked per layout).
@@ -102,9 +118,11 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
                     continue
                 folded = _fold(m, g, gpus_per_node)
                 micro = global_batch // (dp * micro_batch)
-                for comm_type in (cp_comm_types if cp > 1 else (None,)):
-                    # all-gather attention spans the whole CP group: no Ulysses sub-groups
-                    g = folded if comm_type is None else replace(folded, ulysses=1)
+                variants = [(c, folded if c is None else replace(folded, ulysses=1))  # all-gather: no Ulysses
+                            for c in (cp_comm_types if cp > 1 else (None,))]
+                if m.multi_latent_attention and folded.ulysses > 1 and None in cp_comm_types:
+                    variants.append((None, replace(folded, ulysses=1)))  # the ring, where MLA's latent travels
+                for comm_type, g in variants:
                     best = None
                     for recompute in (None, "full_cp_aware"):
                         mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
@@ -159,14 +177,17 @@ def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
             + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
 
 
-def _fmt_grid(g: Grid, comm_type: Optional[str] = None) -> str:
-    cp = "AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}"
+def _fmt_grid(g: Grid, comm_type: Optional[str] = None, latent: bool = False) -> str:
+    cp = ("AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}") + (" latent" if latent else "")
     return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}"
 
 
 def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
     kv = kv_state_bytes(m, s=s, dtype="bf16", mha=mha)["kv"]
     g = m.heads if mha else m.kv_heads
+    if m.head_dim != m.v_dim:  # MLA: K of d_qk + p, V of d_v per head
+        per = f"{g * (m.head_dim + m.v_dim)} ({g} heads x ({m.head_dim} + {m.v_dim}))"
+        return f"KV = {m.layers} layers x {per} x {s} tokens x 2 B = {kv:.0f} B = {kv / GiB:.1f} GiB"
     return (f"KV = 2 (K,V) x {m.layers} layers x {g * m.head_dim} ({g} heads x {m.head_dim}) x {s} tokens x 2 B "
             f"= {kv:.0f} B = {kv / GiB:.1f} GiB")
 
@@ -208,7 +229,7 @@ def main(argv=None):
 
     world = args.gpus_per_node * args.nodes
     gib = GiB
-    print(f"model: {m} -> {total_params(m) / 1e9:.2f} B params; seq {args.seq_length}, global batch {args.global_batch}, "
+    print(f"model: {describe(m)} -> {total_params(m) / 1e9:.2f} B params ({active_params(m) / 1e9:.2f} B active); seq {args.seq_length}, global batch {args.global_batch}, "
           f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory_gib:g} GiB, {args.dtype}, "
           f"{'no ' if args.no_distributed_optimizer else ''}distributed optimizer")
     bpp = "2 + 4 + 12/D (bf16 weight, fp32 grad, fp32 main + Adam m, v; D = DP x CP)" if not args.no_distributed_optimizer \
@@ -227,7 +248,7 @@ def main(argv=None):
         mm, c = pl.memory, pl.comm_per_layer
         transient = (f" (all-gather transient {mm['attention_transient'] / gib:.2f} GiB in activ)"
                      if pl.comm_type == "all_gather" else "")
-        print(f"{i:>3d} {_fmt_grid(pl.grid, pl.comm_type):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} "
+        print(f"{i:>3d} {_fmt_grid(pl.grid, pl.comm_type, c.get('mla_latent', False)):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} "
               f"{mm['optimizer'] / gib:6.2f} {mm['activations'] / gib:7.2f} {mm['kv_state'] / gib:9.2f} {mm['total'] / gib:7.2f} "
               f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} "
               f"{c['cp_all_gather'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
@@ -258,10 +279,15 @@ def _shape_from_planner_flags(p, args) -> ModelShape:
 def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
     """The model (and unset sequence length, batch sizes, precision) from pretrain_moe.py's flags,
     parsed at the cluster's world size, as the trainer would."""
+    from unittest import mock
+
     from cp_ext.arguments import ConfigError, parse_args
 
     try:
-        a = parse_args(flags, world_size=args.gpus_per_node * args.nodes)
+        # the plan is for the cluster's GPUs, not this host's: validate as on a CUDA host
+        # (as tests/test_arguments.py does for the bundled configs)
+        with mock.patch("cp_ext.platform.cuda_unusable_reason", lambda: None):
+            a = parse_args(flags, world_size=args.gpus_per_node * args.nodes)
     except ConfigError as e:
         p.error(f"the trainer flags do not parse:\n{e}")
     for key, value in (("seq_length", a.seq_length), ("global_batch", a.global_batch_size),

@@ -219,11 +219,31 @@ def total_params(m: ModelShape) -> int:
     return layers + m.mtp_layers * sum(mtp_layer_params(m).values()) + outside_layers_params(m)
 
 
+def describe(m: ModelShape) -> str:
+    """One line: what the planner took the model to be."""
+    dense = sum(1 for i in range(m.layers) if not m.is_moe_layer(i))
+    parts = [f"{m.layers} layers" + (f" ({dense} dense)" if m.experts and dense else ""), f"hidden {m.hidden}"]
+    if m.multi_latent_attention:
+        parts.append(f"{m.heads} heads MLA (latent {m.kv_lora_rank} + {m.qk_pos_emb_head_dim}"
+                     + (f", q-LoRA {m.q_lora_rank}" if m.q_lora_rank else "") + f", q/k {m.head_dim}, v {m.v_dim})")
+    else:
+        parts.append(f"{m.heads} heads / {m.kv_heads} KV of {m.head_dim}" + (" + qk-norm" if m.qk_layernorm else ""))
+    if m.window_size is not None:
+        windowed = sum(1 for i in range(m.layers) if m.is_window_layer(i))
+        parts.append(f"window {m.window_size[0]} on {windowed} layers")
+    if m.experts:
+        parts.append(f"{m.experts} experts top-{m.topk} of {m.expert_ffn}"
+                     + (f" + shared {m.shared_expert_ffn}" if m.shared_expert_ffn else ""))
+    parts.append(f"ffn {m.ffn}" if not m.experts or dense else "")
+    parts.append(f"vocab {m.vocab}")
+    return ", ".join(p for p in parts if p) + (f"; {m.mtp_layers} MTP layers" if m.mtp_layers else "")
+
+
 def active_params(m: ModelShape) -> int:
     """Parameters one token uses: every dense part, top-k of the routed experts."""
     routed = sum(layer_params(m, i)["expert"] for i in range(m.layers) if m.is_moe_layer(i))
     return total_params(m) - routed + routed * m.topk // max(1, m.experts)
 
 
-__all__ = ["ModelShape", "PRESETS", "active_params", "attention_params", "layer_params", "mlp_matrices",
+__all__ = ["ModelShape", "PRESETS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
            "mtp_layer_params", "outside_layers_params", "params_per_layer", "total_params"]
