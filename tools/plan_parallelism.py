@@ -148,6 +148,8 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
         return f"TP {g.tp} does not divide the {m.heads} heads / {m.kv_heads} KV heads"
     if g.tp > gpus_per_node:
         return f"TP {g.tp} spans nodes ({gpus_per_node} GPUs per node); TP stays inside NVLink"
+    if m.vocab % g.tp:
+        return f"TP {g.tp} does not divide the padded vocabulary {m.vocab}"
     if m.layers % g.pp:
         return f"PP {g.pp} does not divide the {m.layers} layers"
     if s % (2 * g.cp):
@@ -160,13 +162,14 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
 
 
 def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
-    """Megatron's EP folding (ETP = TP, cp_ext's default; EP | experts, EP x ETP | TP x CP x DP,
-    the largest such EP) and the Ulysses size (the largest U | CP, U | heads/TP, TP x U within a node)."""
-    ep = 1
+    """Megatron's EP folding (ETP = TP, cp_ext's default, or 1 for biased experts, which cp_ext runs
+    at expert-TP 1 only; EP | experts, EP x ETP | TP x CP x DP, the largest such EP) and the Ulysses
+    size (the largest U | CP, U | heads/TP, TP x U within a node)."""
+    ep, etp = 1, (1 if m.add_bias_linear else g.tp)
     if m.experts:
-        ep = max(e for e in divisors(m.experts) if (g.dp * g.cp) % e == 0)
+        ep = max(e for e in divisors(m.experts) if (g.dp * g.cp * g.tp // etp) % e == 0)
     ulysses = max(u for u in divisors(g.cp) if (m.heads // g.tp) % u == 0 and g.tp * u <= gpus_per_node)
-    return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=g.tp, ulysses=ulysses)
+    return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=etp, ulysses=ulysses)
 
 
 def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
@@ -179,7 +182,7 @@ def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
 
 def _fmt_grid(g: Grid, comm_type: Optional[str] = None, latent: bool = False) -> str:
     cp = ("AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}") + (" latent" if latent else "")
-    return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}"
+    return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}" + (f" ETP{g.etp}" if g.etp != g.tp else "")
 
 
 def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
