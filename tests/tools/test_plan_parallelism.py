@@ -215,3 +215,31 @@ def test_cli_runs(capsys):
 def test_cli_needs_a_model(flags):
     with pytest.raises(SystemExit):
         planner.main(flags)
+
+
+# The 128K family configs: (nodes of 8 x 80 GiB GPUs, total parameters in billions, planned GiB per rank).
+FAMILY_CONFIGS = {"deepseek_v3_128k_32x8gpu.yaml": (32, 671.0, 68.9), "qwen3_30b_a3b_128k_8x8gpu.yaml": (8, 30.5, 46.1),
+                  "gpt_oss_120b_128k_8x8gpu.yaml": (8, 116.8, 71.8)}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_family_configs_carry_the_planners_first_layout(name, monkeypatch):
+    """The config's grid and recompute are the planner's first layout for the model the config
+    describes (`ModelShape.from_args`), at the estimate its header states."""
+    from cp_ext.arguments import parse_args
+    from cp_ext.perf.model_shape import ModelShape
+
+    monkeypatch.setattr("cp_ext.platform.cuda_unusable_reason", lambda: None)  # a GPU config on this host
+    nodes, billions, gib = FAMILY_CONFIGS[name]
+    args = parse_args(["--config", str(ROOT / "configs" / name)], world_size=8 * nodes)
+    m = ModelShape.from_args(args)
+    assert round(total_params(m) / 1e9, 1) == billions
+    best = planner.plan(m, s=args.seq_length, global_batch=args.global_batch_size, gpu_memory=80 * GiB,
+                        gpus_per_node=8, nodes=nodes)[0]
+    g = best.grid
+    assert best.valid and (g.tp, g.pp, g.cp, g.ep, g.etp, g.ulysses) == (
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.ulysses_size), (name, g)
+    assert (best.recompute is not None) == (args.recompute_granularity == "full"), name
+    assert round(best.memory["total"] / GiB, 1) == gib, (name, best.memory["total"] / GiB)
+    assert f"= {gib} GiB" in (ROOT / "configs" / name).read_text()
