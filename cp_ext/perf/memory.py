@@ -1,9 +1,8 @@
 """Per-rank memory formulas: parameters, weights/grads/optimizer states, activations, KV state.
 
-Model shape: L layers, hidden h, a query heads, g KV heads (GQA groups), head dim d = h/a,
-FFN size f (dense) / f_e (per expert), E experts (0: dense), top-k, vocab V, SwiGLU MLPs
-(3 weight matrices; 2 without). Grid: TP t (with sequence parallelism), PP p, CP c, DP,
-EP, ETP.
+Model shape: `cp_ext.perf.model_shape.ModelShape` (one description, read from the trainer's
+arguments by `ModelShape.from_args`; its parameters per layer exactly as megatron builds them).
+Grid: TP t (with sequence parallelism), PP p, CP c, DP, EP, ETP.
 
 Bytes per parameter (megatron-core mixed precision, as `cp_ext.training.trainer` sets it:
 bf16 weights, fp32 gradient buffer, fp32 main params + Adam m, v):
@@ -12,19 +11,12 @@ bf16 weights, fp32 gradient buffer, fp32 main params + Adam m, v):
     with it:                       2 + 4 + 12 / D,   D = the DP x CP ranks that shard it
     fp32 training:                 4 + 4 + 8 (no main copy) = 16;  4 + 4 + 8 / D
 
-Activations saved for backward, per token per layer, in elements (``layer_activation_elems``):
-counted from what the model (megatron-core GPT layer with cp_ext's core attention, RMSNorm,
-SwiGLU, flash-style attention that never materialises the s x s scores) saves, and checked
-against `tools/measure_memory.py` (saved-tensor hooks):
-
-    norms   : 2 x (input h + output h) + 2 rstd (fp32)           /t with SP
-    residual, RoPE'd query copy: 2h                               /t with SP (residual), /t (query)
-    QKV     : mixed QKV output h + 2 g d, RoPE'd q h and k g d     /t
-    core    : attention output h, its [s, b, h] copy (linear_proj input) h, LSE a (fp32)   /t
-              + h with CP > 1 (the CP function keeps its output apart from linear_proj's copy)
-    MLP     : fc1 output 2f, SwiGLU intermediates 3f             /t   (dense; f -> top-k x f_e for MoE)
-    MoE     : router logits E; per routed copy the permuted input h and one more f_e   /t
-    RoPE    : 4 d (cos/sin per rotary call)
+Weights are those of the heaviest pipeline stage (dense-first layers make stages differ).
+Activations saved for backward, per token and layer: `cp_ext.perf.activations` (norms, GQA or
+MLA with its per-head or latent CP exchange, qk-norm, dense or MoE MLP, shared experts, the
+router), summed over the first stage's layers. Measured against `tools/measure_memory.py`
+(saved-tensor hooks): within 0.5% on every family of tests/families at CP1 and CP2
+(tests/tools/test_measure_memory_families.py).
 
 This is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (2022), eq. (2): ``sbh (34 + 5 a s / h)`` bytes per layer in fp16 with dropout, with
