@@ -29,6 +29,16 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+# The flags `ModelShape.from_args` reads that decide a parameter's shape: what a checkpoint records
+# of its model and refuses to load into another (`cp_ext.training.checkpointing.MODEL_FLAGS`).
+SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "normalization",
+    "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "softmax_type",
+    "untie_embeddings_and_output_weights", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
+SHAPE_FLAGS["add_bias_linear"] = "--disable-bias-linear: add_bias_linear"  # the flag sets it False
+
 PatternLike = Optional[object]  # int (every N-th layer) or a 0/1 list per layer, as Megatron-LM parses them
 
 
@@ -245,5 +255,5 @@ def active_params(m: ModelShape) -> int:
     return total_params(m) - routed + routed * m.topk // max(1, m.experts)
 
 
-__all__ = ["ModelShape", "PRESETS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
+__all__ = ["ModelShape", "PRESETS", "SHAPE_FLAGS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
            "mtp_layer_params", "outside_layers_params", "params_per_layer", "total_params"]
