@@ -23,7 +23,7 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
     MTP         (--mtp-num-layers, megatron's MultiTokenPredictionLayer): enorm, hnorm h each,
                 eh_proj [h, 2h], one transformer layer of the last decoder layer's kind, its
                 final norm h; embedding and output layer shared with the main model. cp_ext does
-                not build MTP yet: counted from megatron's module, not checked against a build.
+                not build MTP yet: checked against megatron's own GPTModel with an MTP block.
 """
 
 from dataclasses import dataclass

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cp_ext.arguments import parse_args
-from cp_ext.perf.model_shape import ModelShape, layer_params, total_params
+from cp_ext.perf.model_shape import ModelShape, layer_params, mtp_layer_params, total_params
 from tests.families import FAMILIES, tiny
 from tests.launch import one_rank_megatron, run_code
 
@@ -57,3 +57,35 @@ def test_parameter_count_equals_the_built_model(name, built):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_mtp_layers_counted_as_megatrons_gpt_model_builds_them(tmp_path):
+    """cp_ext does not build MTP yet: megatron's own GPTModel with an MTP block (local spec), dense and
+    MoE, against `mtp_layer_params` (enorm, hnorm, eh_proj, a layer like the last, its final norm)."""
+    code = one_rank_megatron(tmp_path) + """
+import json, torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+out = {}
+for experts in (0, 4):
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            num_moe_experts=experts or None, moe_ffn_hidden_size=16 if experts else None,
+                            moe_router_topk=2, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                            normalization="RMSNorm", mtp_num_layers=1, params_dtype=torch.float32,
+                            moe_token_dispatcher_type="alltoall")
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, normalization="RMSNorm")
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=64,
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    out[experts] = dict(total=sum(p.numel() for p in model.parameters()),
+                        mtp=sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp.")))
+print("RESULT " + json.dumps(out))
+"""
+    proc = run_code(code, timeout=300)
+    built = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    for experts, got in built.items():
+        shape = ModelShape(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=384, experts=int(experts), topk=2,
+                           moe_ffn=16 if int(experts) else None, tied_embeddings=False, mtp_layers=1)
+        assert sum(mtp_layer_params(shape).values()) == got["mtp"], (experts, got)
+        assert total_params(shape) == got["total"], (experts, got)
