@@ -65,7 +65,7 @@ def divisors(n: int) -> List[int]:
 
 
 def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type: Optional[str] = None) -> dict:
-    """Bytes sent per rank per layer (forward + backward) by collective.
+    """Bytes sent per rank per layer (forward + backward) by collective; EP's averaged over the layers.
 
     MLA: per-head K (d_qk + p) and V (d_v), or, where `cp_ext.transformer.mla` takes it (ring or
     all-gather, TP 1, smaller), the latent ``r + p`` per token (`comm.mla_exchange_bytes`)."""
@@ -84,10 +84,11 @@ def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type:
                                       ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
     tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
     ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
+    moe_share = sum(1 for i in range(m.layers) if m.is_moe_layer(i)) / m.layers  # dense-first layers dispatch nothing
     both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
     return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]),
-            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]), "ep": both(ep),
-            "mla_latent": latent}
+            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]),
+            "ep": both(ep) * moe_share, "mla_latent": latent}
 
 
 # --cp-comm-types: Megatron's names; "a2a+p2p" is cp_ext's default Ulysses x ring (U picked per layout).

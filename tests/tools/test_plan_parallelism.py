@@ -243,3 +243,20 @@ def test_family_configs_carry_the_planners_first_layout(name, monkeypatch):
     assert (best.recompute is not None) == (args.recompute_granularity == "full"), name
     assert round(best.memory["total"] / GiB, 1) == gib, (name, best.memory["total"] / GiB)
     assert f"= {gib} GiB" in (ROOT / "configs" / name).read_text()
+
+
+def test_mla_layer_comm_per_head_or_latent():
+    """MLA's CP bytes: the latent (r + p per token) where cp_ext's MLA takes it (TP1, ring), else
+    per-head K of d_qk + p and V of d_v; dense-first layers send no EP bytes."""
+    m = ModelShape(layers=4, hidden=256, heads=8, kv_heads=8, ffn=512, vocab=384, experts=4, topk=2, moe_ffn=64,
+                   moe_layer_freq=(0, 1, 1, 1), multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=32,
+                   qk_pos_emb_head_dim=16, v_head_dim=32)
+    ring = planner.layer_comm(m, Grid(cp=4, dp=1, ep=4), s=4096, b=1, dtype="bf16")
+    latent = comm.mla_exchange_bytes(b=1, h=8, s_local=1024, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+                                     kv_lora_rank=32, cp=4, dtype="bf16", exchange="latent")
+    assert ring["mla_latent"] and ring["cp_ring"] == latent["ring_p2p"]["fwd"] + latent["ring_p2p"]["bwd"]
+    # TP2: per-head K/V, 8/2 heads x (48 + 32) values per token, as the GQA formula's 2 d at d = 40
+    tp2 = planner.layer_comm(m, Grid(tp=2, cp=4, ep=4, etp=2), s=4096, b=1, dtype="bf16")
+    kv = comm.ring_bytes(b=1, hk=4, s_local=1024, d=40, ring=4, dtype="bf16")
+    assert not tp2["mla_latent"] and tp2["cp_ring"] == kv["fwd"] + kv["bwd"]
+    assert ring["ep"] == 0.75 * sum(comm.ep_layer_bytes(b=1, s=4096, hidden=256, topk=2, ep=4, cp=4).values())
