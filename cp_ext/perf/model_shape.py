@@ -80,6 +80,7 @@ class ModelShape:
     moe_aux_loss: bool = True  # a load-balancing loss with a coefficient > 0
     moe_router_num_groups: Optional[int] = None
     moe_router_group_topk: Optional[int] = None
+    moe_router_fp32: bool = False  # --moe-router-dtype fp32: the dispatcher's probs in fp32
     learned_positions: int = 0  # --position-embedding-type learned_absolute: max_position_embeddings rows
 
     @property
@@ -149,6 +150,7 @@ class ModelShape:
             moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
             moe_aux_loss=bool(args.moe_aux_loss_coeff) and args.moe_router_load_balancing_type != "none",
             moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_fp32=args.moe_router_dtype == "fp32",
             learned_positions=(args.max_position_embeddings if args.position_embedding_type == "learned_absolute"
                                else 0),
         )
