@@ -89,3 +89,24 @@ print("RESULT " + json.dumps(out))
                            moe_ffn=16 if int(experts) else None, tied_embeddings=False, mtp_layers=1)
         assert sum(mtp_layer_params(shape).values()) == got["mtp"], (experts, got)
         assert total_params(shape) == got["total"], (experts, got)
+
+
+# Published totals (B parameters) and the tokenizer's vocabulary each script's launcher brings.
+PUBLISHED = {"mixtral_8x7b": (46.7, 32000), "qwen3_30b_a3b": (30.5, 151936), "deepseek_v2_lite": (15.7, 102400),
+             "deepseek_r1": (671.0, 129280), "gpt_oss_20b": (20.9, 201088)}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_size_scripts_have_their_published_parameter_counts(family, tmp_path, monkeypatch):
+    from tests.families import _flags
+    from tests.test_families import _full_size
+
+    monkeypatch.setattr("cp_ext.platform.cuda_unusable_reason", lambda: None)
+    billions, vocab = PUBLISHED[family]
+    script = _full_size(family)
+    grid, world = dict(_flags(script)), 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
+        world *= int(grid.get(flag, ["1"])[0])
+    args = parse_args(script + ["--save", str(tmp_path), "--vocab-size", str(vocab)], world_size=world)
+    assert round(total_params(ModelShape.from_args(args)) / 1e9, 1) == billions
