@@ -167,11 +167,14 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
 
 
 def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, dtype: str = "bf16",
-                   mha: bool = False) -> Dict[str, float]:
-    """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank."""
+                   mha: bool = False, latent: bool = False) -> Dict[str, float]:
+    """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank. MLA: per-head
+    K (d_qk + p) and V (d_v), or with ``latent`` (`cp_ext.perf.activations.mla_takes_latent`) the
+    ``r + p`` values per token its CP attention holds and exchanges instead."""
     e = 4 if dtype == "fp32" else 2
     g = m.heads if mha else m.kv_heads
-    kv = m.layers * g * (m.head_dim + m.v_dim) * s * b * e / (tp * cp)  # MLA: per-head K (d_qk + p), V (d_v)
+    per_token = m.kv_lora_rank + m.qk_pos_emb_head_dim if latent else g * (m.head_dim + m.v_dim) / tp
+    kv = m.layers * per_token * s * b * e / cp
     lse = m.layers * m.heads * s * b * 4 / (tp * cp)
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
@@ -237,7 +240,8 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,
                            microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type,
                            ulysses=grid.ulysses)
-    kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype)
+    latent = mla_takes_latent(m, tp=grid.tp, cp=grid.cp, ulysses=grid.ulysses, all_gather=cp_comm_type == "all_gather")
+    kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype, latent=latent)
     out = {"params": w["params"], "weights": w["weights"], "grads": w["grads"], "optimizer": w["optimizer"],
            "activations": act["total"], "kv_state": kv["total"], "attention_transient": act["attention_transient"]}
     # The KV state is part of the saved activations (K, V and LSE are saved for backward): not added again.

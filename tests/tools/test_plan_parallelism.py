@@ -260,3 +260,6 @@ def test_mla_layer_comm_per_head_or_latent():
     kv = comm.ring_bytes(b=1, hk=4, s_local=1024, d=40, ring=4, dtype="bf16")
     assert not tp2["mla_latent"] and tp2["cp_ring"] == kv["fwd"] + kv["bwd"]
     assert ring["ep"] == 0.75 * sum(comm.ep_layer_bytes(b=1, s=4096, hidden=256, topk=2, ep=4, cp=4).values())
+    # the attention state: per-head K (48) and V (32) per token and layer, or the latent's r + p = 48
+    assert kv_state_bytes(m, s=4096, cp=4)["kv"] == 4 * 8 * (48 + 32) * 4096 * 2 / 4
+    assert kv_state_bytes(m, s=4096, cp=4, latent=True)["kv"] == 4 * 48 * 4096 * 2 / 4
