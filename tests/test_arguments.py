@@ -130,7 +130,8 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
 
 # Each bundled config and the world size it is written for.
 BUNDLED = {"cpu_demo.yaml": 4, "cpu_passkey.yaml": 2, "cpu_long_64k.yaml": 4, "mixtral_8x7b_32k_2x8gpu.yaml": 16,
-           "mixtral_8x7b_128k_4x8gpu.yaml": 32}
+           "mixtral_8x7b_128k_4x8gpu.yaml": 32, "deepseek_v3_128k_32x8gpu.yaml": 256,
+           "qwen3_30b_a3b_128k_8x8gpu.yaml": 64, "gpt_oss_120b_128k_8x8gpu.yaml": 64}
 
 
 @pytest.mark.quick

@@ -374,15 +374,13 @@ def planner_estimate(record, trainer_flags, mode, part="total"):
 
     a = parse_args(list(trainer_flags) + ["--context-parallel-size", str(record["cp"]), "--seq-length",
                                           str(record["seq_length"])], world_size=record["cp"])
-    shape = ModelShape(layers=a.num_layers, hidden=a.hidden_size, heads=a.num_attention_heads,
-                       kv_heads=a.num_query_groups, ffn=a.ffn_hidden_size, vocab=record["padded_vocab"],
-                       experts=a.num_experts or 0, topk=a.moe_router_topk, moe_ffn=a.moe_ffn_hidden_size,
-                       swiglu=a.swiglu, tied_embeddings=not a.untie_embeddings_and_output_weights)
+    shape = ModelShape.from_args(a, vocab=record["padded_vocab"])
     comm_type = "all_gather" if record.get("cp_comm_type") == "all_gather" else None
     return activation_bytes(shape, s=a.seq_length, b=a.micro_batch_size, tp=a.tensor_model_parallel_size,
                             cp=a.context_parallel_size, dtype="bf16" if a.bf16 else "fp32",
                             recompute=PLANNER_MODE[mode], sequence_parallel=a.sequence_parallel,
-                            cp_comm_type=comm_type)[part]
+                            cp_comm_type=comm_type, ulysses=record.get("ulysses") or 1,
+                            mla_exchange=a.cp_mla_exchange)[part]
 
 
 def _mib(n):

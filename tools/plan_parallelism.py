@@ -9,6 +9,9 @@ against tools/measure_memory.py.
     python tools/plan_parallelism.py --layers 32 --hidden 4096 --heads 32 --kv-heads 8 \
         --ffn 14336 --experts 8 --topk 2 --vocab 32000 --seq-length 32768 ...
     python tools/plan_parallelism.py --model llama2-7b --kv-arithmetic    # the textbook KV numbers
+    python tools/plan_parallelism.py --nodes 8 -- --config configs/qwen3_30b_a3b_128k_8x8gpu.yaml
+        # the model as pretrain_moe.py builds it from its flags (`ModelShape.from_args`); the
+        # sequence length, batch sizes and precision default to the flags' too
 
 For every TP (within a node, dividing the heads), PP (dividing the layers), CP (seq divisible
 by 2 CP) with DP = GPUs / (TP PP CP) dividing the global batch, it folds EP (the largest
@@ -39,7 +42,9 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cp_ext.perf import comm  # noqa: E402
+from cp_ext.perf.activations import mla_takes_latent  # noqa: E402
 from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, replace, total_params  # noqa: E402
+from cp_ext.perf.model_shape import active_params, describe  # noqa: E402
 
 
 @dataclass
@@ -60,15 +65,30 @@ def divisors(n: int) -> List[int]:
 
 
 def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type: Optional[str] = None) -> dict:
-    """Bytes sent per rank per layer (forward + backward) by collective."""
-    hk_local = max(1, m.kv_heads // g.tp)
-    cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=hk_local, s=s, d=m.head_dim, cp=g.cp,
-                                  ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
+    """Bytes sent per rank per layer (forward + backward) by collective; EP's averaged over the layers.
+
+    MLA: per-head K (d_qk + p) and V (d_v), or, where `cp_ext.transformer.mla` takes it (ring or
+    all-gather, TP 1, smaller), the latent ``r + p`` per token (`comm.mla_exchange_bytes`)."""
+    all_gather = comm_type == "all_gather"
+    latent = mla_takes_latent(m, tp=g.tp, cp=g.cp, ulysses=1 if all_gather else g.ulysses, all_gather=all_gather)
+    if latent:
+        cpb = comm.mla_exchange_bytes(b=b, h=m.heads, s_local=s // g.cp, qk_head_dim=m.qk_head_dim,
+                                      qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                                      kv_lora_rank=m.kv_lora_rank, cp=g.cp, dtype=dtype, exchange="latent",
+                                      comm_type=comm_type)
+        cpb["ulysses_a2a"] = {"fwd": 0, "bwd": 0}
+    else:
+        # K and V of d and d_v: the formulas' 2 d per KV head (and q + out per head) at their mean
+        d = (m.head_dim + m.v_dim) / 2
+        cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=max(1, m.kv_heads // g.tp), s=s, d=d, cp=g.cp,
+                                      ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
     tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
     ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
+    moe_share = sum(1 for i in range(m.layers) if m.is_moe_layer(i)) / m.layers  # dense-first layers dispatch nothing
     both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
     return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]),
-            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]), "ep": both(ep)}
+            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]),
+            "ep": both(ep) * moe_share, "mla_latent": latent}
 
 
 # --cp-comm-types: Megatron's names; "a2a+p2p" is cp_ext's default Ulysses x ring (U picked per layout).
@@ -99,9 +119,11 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
                     continue
                 folded = _fold(m, g, gpus_per_node)
                 micro = global_batch // (dp * micro_batch)
-                for comm_type in (cp_comm_types if cp > 1 else (None,)):
-                    # all-gather attention spans the whole CP group: no Ulysses sub-groups
-                    g = folded if comm_type is None else replace(folded, ulysses=1)
+                variants = [(c, folded if c is None else replace(folded, ulysses=1))  # all-gather: no Ulysses
+                            for c in (cp_comm_types if cp > 1 else (None,))]
+                if m.multi_latent_attention and folded.ulysses > 1 and None in cp_comm_types:
+                    variants.append((None, replace(folded, ulysses=1)))  # the ring, where MLA's latent travels
+                for comm_type, g in variants:
                     best = None
                     for recompute in (None, "full_cp_aware"):
                         mem = rank_memory(m, g, s=s, b=micro_batch, dtype=dtype, distributed_optimizer=distributed_optimizer,
@@ -127,6 +149,8 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
         return f"TP {g.tp} does not divide the {m.heads} heads / {m.kv_heads} KV heads"
     if g.tp > gpus_per_node:
         return f"TP {g.tp} spans nodes ({gpus_per_node} GPUs per node); TP stays inside NVLink"
+    if m.vocab % g.tp:
+        return f"TP {g.tp} does not divide the padded vocabulary {m.vocab}"
     if m.layers % g.pp:
         return f"PP {g.pp} does not divide the {m.layers} layers"
     if s % (2 * g.cp):
@@ -139,13 +163,14 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
 
 
 def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
-    """Megatron's EP folding (ETP = TP, cp_ext's default; EP | experts, EP x ETP | TP x CP x DP,
-    the largest such EP) and the Ulysses size (the largest U | CP, U | heads/TP, TP x U within a node)."""
-    ep = 1
+    """Megatron's EP folding (ETP = TP, cp_ext's default, or 1 for biased experts, which cp_ext runs
+    at expert-TP 1 only; EP | experts, EP x ETP | TP x CP x DP, the largest such EP) and the Ulysses
+    size (the largest U | CP, U | heads/TP, TP x U within a node)."""
+    ep, etp = 1, (1 if m.add_bias_linear else g.tp)
     if m.experts:
-        ep = max(e for e in divisors(m.experts) if (g.dp * g.cp) % e == 0)
+        ep = max(e for e in divisors(m.experts) if (g.dp * g.cp * g.tp // etp) % e == 0)
     ulysses = max(u for u in divisors(g.cp) if (m.heads // g.tp) % u == 0 and g.tp * u <= gpus_per_node)
-    return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=g.tp, ulysses=ulysses)
+    return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=etp, ulysses=ulysses)
 
 
 def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
@@ -156,14 +181,17 @@ def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
             + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
 
 
-def _fmt_grid(g: Grid, comm_type: Optional[str] = None) -> str:
-    cp = "AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}"
-    return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}"
+def _fmt_grid(g: Grid, comm_type: Optional[str] = None, latent: bool = False) -> str:
+    cp = ("AG" if comm_type == "all_gather" else f"U{g.ulysses}xR{g.cp // g.ulysses}") + (" latent" if latent else "")
+    return f"TP{g.tp} PP{g.pp} CP{g.cp}({cp}) DP{g.dp} EP{g.ep}" + (f" ETP{g.etp}" if g.etp != g.tp else "")
 
 
 def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
     kv = kv_state_bytes(m, s=s, dtype="bf16", mha=mha)["kv"]
     g = m.heads if mha else m.kv_heads
+    if m.head_dim != m.v_dim:  # MLA: K of d_qk + p, V of d_v per head
+        per = f"{g * (m.head_dim + m.v_dim)} ({g} heads x ({m.head_dim} + {m.v_dim}))"
+        return f"KV = {m.layers} layers x {per} x {s} tokens x 2 B = {kv:.0f} B = {kv / GiB:.1f} GiB"
     return (f"KV = 2 (K,V) x {m.layers} layers x {g * m.head_dim} ({g} heads x {m.head_dim}) x {s} tokens x 2 B "
             f"= {kv:.0f} B = {kv / GiB:.1f} GiB")
 
@@ -173,13 +201,13 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(PRESETS), default=None, help="a preset; explicit flags override it")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "experts", "topk", "moe-ffn"):
         p.add_argument(f"--{name}", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=131072)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the trainer flags', else 131072")
+    p.add_argument("--global-batch", type=int, default=None, help="default: the trainer flags', else 64")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: the trainer flags', else 1")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the trainer flags', else bf16")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU inside a node (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (IB)")
@@ -189,21 +217,15 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=10, help="valid layouts to print")
     p.add_argument("--show-invalid", action="store_true", help="also list the excluded layouts and why")
     p.add_argument("--kv-arithmetic", action="store_true", help="print the textbook KV-cache arithmetic and exit")
+    p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
+                   help="after --: pretrain_moe.py flags (or --config YAML) describing the model instead of --model")
     args = p.parse_args(argv)
+    flags = [f for f in args.trainer_flags if f != "--"]
+    m = _shape_from_trainer_flags(p, args, flags) if flags else _shape_from_planner_flags(p, args)
+    for key, default in (("seq_length", 131072), ("global_batch", 64), ("micro_batch", 1), ("dtype", "bf16")):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
 
-    base = PRESETS[args.model] if args.model else None
-    vals = {}
-    for key, flag in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
-                      ("ffn", "ffn"), ("vocab", "vocab"), ("experts", "experts"), ("topk", "topk"), ("moe_ffn", "moe_ffn")):
-        v = getattr(args, flag)
-        vals[key] = v if v is not None else (getattr(base, key) if base else None)
-    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if vals[k] is None]
-    if missing:
-        p.error(f"give --model or all of --layers --hidden --heads --ffn --vocab (missing: {', '.join(missing)})")
-    vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
-    vals["experts"] = vals["experts"] or 0
-    vals["topk"] = vals["topk"] or (base.topk if base else 1)
-    m = ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
     if args.kv_arithmetic:
         print(f"MHA:  {kv_arithmetic(m, args.seq_length, mha=True)}")
         print(f"GQA:  {kv_arithmetic(m, args.seq_length, mha=False)}")
@@ -211,7 +233,7 @@ def main(argv=None):
 
     world = args.gpus_per_node * args.nodes
     gib = GiB
-    print(f"model: {m} -> {total_params(m) / 1e9:.2f} B params; seq {args.seq_length}, global batch {args.global_batch}, "
+    print(f"model: {describe(m)} -> {total_params(m) / 1e9:.2f} B params ({active_params(m) / 1e9:.2f} B active); seq {args.seq_length}, global batch {args.global_batch}, "
           f"{args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory_gib:g} GiB, {args.dtype}, "
           f"{'no ' if args.no_distributed_optimizer else ''}distributed optimizer")
     bpp = "2 + 4 + 12/D (bf16 weight, fp32 grad, fp32 main + Adam m, v; D = DP x CP)" if not args.no_distributed_optimizer \
@@ -230,7 +252,7 @@ def main(argv=None):
         mm, c = pl.memory, pl.comm_per_layer
         transient = (f" (all-gather transient {mm['attention_transient'] / gib:.2f} GiB in activ)"
                      if pl.comm_type == "all_gather" else "")
-        print(f"{i:>3d} {_fmt_grid(pl.grid, pl.comm_type):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} "
+        print(f"{i:>3d} {_fmt_grid(pl.grid, pl.comm_type, c.get('mla_latent', False)):34s} {mm['weights'] / gib:8.2f} {mm['grads'] / gib:6.2f} "
               f"{mm['optimizer'] / gib:6.2f} {mm['activations'] / gib:7.2f} {mm['kv_state'] / gib:9.2f} {mm['total'] / gib:7.2f} "
               f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} "
               f"{c['cp_all_gather'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
@@ -240,6 +262,43 @@ def main(argv=None):
             if not pl.valid:
                 print(f"    excluded {_fmt_grid(pl.grid, pl.comm_type):34s} {pl.reason}")
     return 0 if valid else 1
+
+
+def _shape_from_planner_flags(p, args) -> ModelShape:
+    base = PRESETS[args.model] if args.model else None
+    vals = {}
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "topk", "moe_ffn"):
+        v = getattr(args, key)
+        vals[key] = v if v is not None else (getattr(base, key) if base else None)
+    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if vals[k] is None]
+    if missing:
+        p.error(f"give --model, all of --layers --hidden --heads --ffn --vocab (missing: {', '.join(missing)}), "
+                f"or the trainer flags after --")
+    vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
+    vals["experts"] = vals["experts"] or 0
+    vals["topk"] = vals["topk"] or (base.topk if base else 1)
+    return ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
+
+
+def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
+    """The model (and unset sequence length, batch sizes, precision) from pretrain_moe.py's flags,
+    parsed at the cluster's world size, as the trainer would."""
+    from unittest import mock
+
+    from cp_ext.arguments import ConfigError, parse_args
+
+    try:
+        # the plan is for the cluster's GPUs, not this host's: validate as on a CUDA host
+        # (as tests/test_arguments.py does for the bundled configs)
+        with mock.patch("cp_ext.platform.cuda_unusable_reason", lambda: None):
+            a = parse_args(flags, world_size=args.gpus_per_node * args.nodes)
+    except ConfigError as e:
+        p.error(f"the trainer flags do not parse:\n{e}")
+    for key, value in (("seq_length", a.seq_length), ("global_batch", a.global_batch_size),
+                       ("micro_batch", a.micro_batch_size), ("dtype", "bf16" if a.bf16 else "fp32")):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return ModelShape.from_args(a)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """Per-rank memory formulas: parameters, weights/grads/optimizer states, activations, KV state.
 
-Model shape: L layers, hidden h, a query heads, g KV heads (GQA groups), head dim d = h/a,
-FFN size f (dense) / f_e (per expert), E experts (0: dense), top-k, vocab V, SwiGLU MLPs
-(3 weight matrices; 2 without). Grid: TP t (with sequence parallelism), PP p, CP c, DP,
-EP, ETP.
+Model shape: `cp_ext.perf.model_shape.ModelShape` (one description, read from the trainer's
+arguments by `ModelShape.from_args`; its parameters per layer exactly as megatron builds them).
+Grid: TP t (with sequence parallelism), PP p, CP c, DP, EP, ETP.
 
 Bytes per parameter (megatron-core mixed precision, as `cp_ext.training.trainer` sets it:
 bf16 weights, fp32 gradient buffer, fp32 main params + Adam m, v):
@@ -12,19 +11,12 @@ bf16 weights, fp32 gradient buffer, fp32 main params + Adam m, v):
     with it:                       2 + 4 + 12 / D,   D = the DP x CP ranks that shard it
     fp32 training:                 4 + 4 + 8 (no main copy) = 16;  4 + 4 + 8 / D
 
-Activations saved for backward, per token per layer, in elements (``layer_activation_elems``):
-counted from what the model (megatron-core GPT layer with cp_ext's core attention, RMSNorm,
-SwiGLU, flash-style attention that never materialises the s x s scores) saves, and checked
-against `tools/measure_memory.py` (saved-tensor hooks):
-
-    norms   : 2 x (input h + output h) + 2 rstd (fp32)           /t with SP
-    residual, RoPE'd query copy: 2h                               /t with SP (residual), /t (query)
-    QKV     : mixed QKV output h + 2 g d, RoPE'd q h and k g d     /t
-    core    : attention output h, its [s, b, h] copy (linear_proj input) h, LSE a (fp32)   /t
-              + h with CP > 1 (the CP function keeps its output apart from linear_proj's copy)
-    MLP     : fc1 output 2f, SwiGLU intermediates 3f             /t   (dense; f -> top-k x f_e for MoE)
-    MoE     : router logits E; per routed copy the permuted input h and one more f_e   /t
-    RoPE    : 4 d (cos/sin per rotary call)
+Weights are those of the heaviest pipeline stage (dense-first layers make stages differ).
+Activations saved for backward, per token and layer: `cp_ext.perf.activations` (norms, GQA or
+MLA with its per-head or latent CP exchange, qk-norm, dense or MoE MLP, shared experts, the
+router), summed over the first stage's layers. Measured against `tools/measure_memory.py`
+(saved-tensor hooks): within 2% on every family of tests/families, fp32 and bf16, CP1 and CP2,
+with and without CP-aware full recompute (tests/tools/test_measure_memory_families.py).
 
 This is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (2022), eq. (2): ``sbh (34 + 5 a s / h)`` bytes per layer in fp16 with dropout, with
@@ -62,61 +54,13 @@ Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequenc
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
+from cp_ext.perf.model_shape import (  # noqa: F401  (re-exported: the planner's one model description)
+    PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, params_per_layer, total_params,
+)
+
+from cp_ext.perf.activations import layer_activation_elems, mla_takes_latent, outside_layers_bytes
+
 GiB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    experts: int = 0
-    topk: int = 1
-    moe_ffn: Optional[int] = None
-    swiglu: bool = True
-    tied_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def expert_ffn(self) -> int:
-        return self.moe_ffn or self.ffn
-
-
-PRESETS: Dict[str, ModelShape] = {
-    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False),
-    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, tied_embeddings=False),
-    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, tied_embeddings=False),
-    "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
-                               topk=2, tied_embeddings=False),
-    "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
-}
-
-
-def mlp_matrices(m: ModelShape) -> int:
-    return 3 if m.swiglu else 2
-
-
-def params_per_layer(m: ModelShape) -> Dict[str, int]:
-    """Parameters of one layer: attention + norms ('dense'), the MLP or the experts ('expert')."""
-    d = m.head_dim
-    attn = m.hidden * (m.heads * d + 2 * m.kv_heads * d) + m.heads * d * m.hidden
-    norms = 2 * m.hidden
-    if m.experts:
-        return {"dense": attn + norms + m.hidden * m.experts,  # + router
-                "expert": m.experts * mlp_matrices(m) * m.hidden * m.expert_ffn}
-    return {"dense": attn + norms + mlp_matrices(m) * m.hidden * m.ffn, "expert": 0}
-
-
-def total_params(m: ModelShape) -> int:
-    per = params_per_layer(m)
-    emb = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
-    return m.layers * (per["dense"] + per["expert"]) + emb + m.hidden
 
 
 def bytes_per_param(dtype: str, distributed_optimizer: bool, shards: int) -> Dict[str, float]:
@@ -126,30 +70,6 @@ def bytes_per_param(dtype: str, distributed_optimizer: bool, shards: int) -> Dic
     else:
         w, g, opt = 2, 4, 12
     return {"weights": w, "grads": g, "optimizer": opt / shards if distributed_optimizer else opt}
-
-
-def layer_activation_elems(m: ModelShape, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> Dict[str, float]:
-    """Elements saved per token per layer, split into activation-dtype and fp32 parts."""
-    h, d, a, g = m.hidden, m.head_dim, m.heads, m.kv_heads
-    sp = tp if sequence_parallel else 1
-    f = m.topk * m.expert_ffn if m.experts else m.ffn
-    mlp = (2 * f + 3 * f) if m.swiglu else (f + 2 * f)
-    act = (4 * h + h) / sp  # norm in/out x 2, residual
-    act += (h + (h + 2 * g * d) + g * d) / tp  # RoPE'd query copy, mixed QKV, RoPE'd key
-    act += (2 * h + (h if cp > 1 else 0)) / tp  # attention output, linear_proj input (+ CP output)
-    act += mlp / tp + 4 * d
-    if m.experts:
-        # router logits; each of the top-k routed copies of a token also keeps its permuted
-        # input (h) and one more expert-FFN intermediate (megatron's SequentialMLP experts,
-        # measured: tools/measure_memory.py --verbose on a 4-expert top-2 model)
-        act += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
-    fp32 = 2 / sp + a / tp  # rstd x 2, LSE
-    # Of these, what a layer saves after its attention call (freed by the time the backward
-    # reaches that attention): linear_proj's input, the second norm's in/out and rstd, the MLP / MoE.
-    post = 2 * h / sp + h / tp + mlp / tp
-    if m.experts:
-        post += m.experts / sp + m.topk * (h + m.expert_ffn) / tp
-    return {"act": act, "fp32": fp32, "post_act": post, "post_fp32": 1 / sp}
 
 
 def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = True) -> float:
@@ -164,17 +84,21 @@ CP_COMM_TYPES = (None, "p2p", "a2a", "a2a+p2p", "all_gather")
 
 
 def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1,
-                               dtype: str = "bf16") -> Dict[str, float]:
+                               dtype: str = "bf16", latent: bool = False) -> Dict[str, float]:
     """Bytes one all-gather attention call holds on a rank while it runs (0 at CP = 1).
 
-    forward: the gathered K/V ``[2, b, g/t, s, d]`` in the activation dtype; backward: the same
-    again plus the full-sequence dK/dV in fp32 before the reduce-scatter, and the call's fp32
-    results (this rank's 1/cp of dK/dV, dQ). ``peak`` is the larger.
+    forward: the gathered K/V ``[b, g/t, s, d + d_v]`` (MLA's latent: ``[b, 1, s, r + p]``) in the
+    activation dtype; backward: the same again plus its full-sequence gradient in fp32 before the
+    reduce-scatter, and the call's fp32 results (this rank's 1/cp of that gradient, dQ). ``peak``
+    is the larger. Only the GQA/MHA case is measured (tests/tools/test_measure_memory.py).
     """
     if cp <= 1:
         return {"fwd": 0.0, "bwd": 0.0, "peak": 0.0}
     e = 4 if dtype == "fp32" else 2
-    kv = 2 * b * max(1, m.kv_heads // tp) * s * m.head_dim
+    if latent:
+        kv = b * s * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    else:
+        kv = b * max(1, m.kv_heads // tp) * s * (m.head_dim + m.v_dim)
     q_local = b * max(1, m.heads // tp) * s / cp * m.head_dim
     fwd, bwd = kv * e, kv * e + kv * 4 * (1 + 1 / cp) + q_local * 4
     return {"fwd": float(fwd), "bwd": float(bwd), "peak": float(max(fwd, bwd))}
@@ -182,8 +106,8 @@ def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1
 
 def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                      dtype: str = "bf16", recompute=None, sequence_parallel: bool = True,
-                     microbatches_in_flight: Optional[int] = None, cp_comm_type: Optional[str] = None
-                     ) -> Dict[str, float]:
+                     microbatches_in_flight: Optional[int] = None, cp_comm_type: Optional[str] = None,
+                     ulysses: int = 1, mla_exchange: str = "auto") -> Dict[str, float]:
     """Per-rank activation bytes of one training step (first pipeline stage, the largest).
 
     ``recompute``: None (keep everything), ``"full"`` (megatron's full recompute, one layer per
@@ -191,7 +115,8 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     cp_ext's default under full recompute). ``True`` means ``"full_cp_aware"``.
     ``cp_comm_type``: None (today's ring / Ulysses / hybrid) or a `CP_COMM_TYPES` name;
     ``"all_gather"`` adds its transient K/V where it raises the peak (module docstring);
-    ``"attention_transient"`` is what one call holds.
+    ``"attention_transient"`` is what one call holds. ``ulysses`` and ``mla_exchange``
+    (``--cp-mla-exchange``) decide whether MLA's CP attention takes the latent.
     """
     if recompute is True:
         recompute = "full_cp_aware"
@@ -199,47 +124,57 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
-    transient = (all_gather_transient_bytes(m, s=s, b=b, tp=tp, cp=cp, dtype=dtype)["peak"]
-                 if cp_comm_type == "all_gather" else 0.0)
+    all_gather = cp_comm_type == "all_gather"
+    latent = mla_takes_latent(m, tp=tp, cp=cp, ulysses=1 if all_gather else ulysses, all_gather=all_gather,
+                              exchange=mla_exchange)
+    transient = (all_gather_transient_bytes(m, s=s, b=b, tp=tp, cp=cp, dtype=dtype, latent=latent)["peak"]
+                 if all_gather else 0.0)
     e = 4 if dtype == "fp32" else 2
     tokens = s * b / cp
-    per_layer = layer_activation_elems(m, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    layer_bytes = tokens * (per_layer["act"] * e + per_layer["fp32"] * 4)
+    sp = tp if sequence_parallel else 1
     stage_layers = m.layers // pp
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
-    sp = tp if sequence_parallel else 1
-    # outside the layers: embedding output, final norm in/out (3h), logits (V / t), tokens
-    vocab_part = tokens * (3 * m.hidden / sp * e + m.vocab / tp * 4 + 4)
-    # saved after a layer's attention call: freed before the backward reaches that attention
-    post_attention = tokens * (per_layer["post_act"] * e + per_layer["post_fp32"] * 4)
+    per = [layer_activation_elems(m, i, tp=tp, cp=cp, sequence_parallel=sequence_parallel, latent=latent, dtype=dtype)
+           for i in range(stage_layers)]
+    layer_bytes = [tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]) for x in per]
+    vocab_part = tokens * outside_layers_bytes(m, e=e, tp=tp, sp=sp)
+    # MTP layers (pp = 1: on this stage): one more layer like the last and its own logits each
+    mtp = m.mtp_layers * (layer_bytes[-1] + vocab_part) if pp == 1 else 0.0
+    # saved after the last layer's attention call: freed before the backward reaches that attention
+    last = per[-1]
+    post_attention = tokens * (last["post_act"] * e + last["post_fp32"] * 4 + last["post_bytes"])
     if recompute is None:
-        layers_bytes = stage_layers * in_flight * layer_bytes
+        layers_bytes = in_flight * sum(layer_bytes) + mtp
         # the transient peaks in the last layer's attention backward: the logits are freed by then
         total = max(layers_bytes + vocab_part, layers_bytes - post_attention + transient)
         return {"layers": layers_bytes, "embedding+logits": vocab_part, "attention_transient": transient,
                 "total": total}
     # Full recompute keeps each layer's input (the checkpoint) and, CP-aware, its attention
-    # output (h / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
+    # output (a d_v / t, activation dtype) and LSE (a / t, fp32). The layers' other activations exist
     # one layer at a time, while that layer is recomputed in backward; by then the logits'
     # activations are freed, so the peak is the larger of the two working sets. The recomputed
     # layer's input is the checkpoint itself (same storage), and with CP-aware recompute its
     # attention output and LSE are the kept ones: hence the subtractions.
     layer_input = tokens * m.hidden * e / sp
-    kept = tokens * (m.hidden * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
-    held = stage_layers * in_flight * (layer_input + kept)
-    recomputed = layer_bytes - layer_input - kept
+    kept = tokens * (m.heads * m.v_dim * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
+    held = (stage_layers + (m.mtp_layers if pp == 1 else 0)) * in_flight * (layer_input + kept)
+    recomputed = max(layer_bytes) - layer_input - kept
+    last_recomputed = layer_bytes[-1] - layer_input - kept
     # the transient peaks in the recomputed layer's attention backward, on top of its pre-attention part
-    working = max(recomputed, vocab_part, recomputed - post_attention + transient)
+    working = max(recomputed, vocab_part, last_recomputed - post_attention + transient)
     return {"layers": held + recomputed, "embedding+logits": vocab_part, "attention_transient": transient,
             "total": held + working}
 
 
 def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 1, dtype: str = "bf16",
-                   mha: bool = False) -> Dict[str, float]:
-    """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank."""
+                   mha: bool = False, latent: bool = False) -> Dict[str, float]:
+    """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank. MLA: per-head
+    K (d_qk + p) and V (d_v), or with ``latent`` (`cp_ext.perf.activations.mla_takes_latent`) the
+    ``r + p`` values per token its CP attention holds and exchanges instead."""
     e = 4 if dtype == "fp32" else 2
     g = m.heads if mha else m.kv_heads
-    kv = 2 * m.layers * g * m.head_dim * s * b * e / (tp * cp)
+    per_token = m.kv_lora_rank + m.qk_pos_emb_head_dim if latent else g * (m.head_dim + m.v_dim) / tp
+    kv = m.layers * per_token * s * b * e / cp
     lse = m.layers * m.heads * s * b * 4 / (tp * cp)
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
@@ -259,25 +194,42 @@ class Grid:
         return self.tp * self.pp * self.cp * self.dp
 
 
+def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:
+    """Unsharded parameters of one pipeline stage: its layers (dense-first layers make the stages
+    differ), the embedding on the first, the output layer (a copy when tied and PP > 1), final norm
+    and MTP layers on the last. PP = 1: all of it."""
+    per_stage = m.layers // pp
+    parts = [layer_params(m, i) for i in range(stage * per_stage, (stage + 1) * per_stage)]
+    dense = sum(p["dense"] for p in parts)
+    expert = sum(p["expert"] for p in parts)
+    emb = m.vocab * m.hidden
+    if stage == 0:
+        dense += emb + m.learned_positions * m.hidden
+    if stage == pp - 1:
+        dense += (0 if m.tied_embeddings and pp == 1 else emb) + m.hidden
+        mtp = mtp_layer_params(m)
+        dense += m.mtp_layers * mtp["dense"]
+        expert += m.mtp_layers * mtp["expert"]
+    return {"dense": dense, "expert": expert}
+
+
 def weight_bytes(m: ModelShape, grid: Grid, *, dtype: str = "bf16", distributed_optimizer: bool = True) -> Dict[str, float]:
-    """Weights, grads and optimizer states per rank (the heaviest pipeline stage)."""
-    per = params_per_layer(m)
-    stage_layers = m.layers // grid.pp
-    emb = m.vocab * m.hidden / grid.tp
-    # first stage: embedding; last stage: output layer (a copy when tied and PP > 1). PP = 1: both.
-    if grid.pp == 1:
-        emb_params = emb * (1 if m.tied_embeddings else 2)
-    else:
-        emb_params = emb
-    dense = stage_layers * per["dense"] / grid.tp + emb_params + m.hidden
-    expert = stage_layers * per["expert"] / (grid.ep * grid.etp)
+    """Weights, grads and optimizer states per rank (the heaviest pipeline stage): dense parameters
+    sharded by TP, optimizer state over DP x CP; experts by EP x ETP, over the expert-DP ranks."""
     dense_shards = grid.dp * grid.cp
     expert_shards = max(1, grid.dp * grid.cp * grid.tp // (grid.ep * grid.etp))
     bd = bytes_per_param(dtype, distributed_optimizer, dense_shards)
     be = bytes_per_param(dtype, distributed_optimizer, expert_shards)
-    out = {k: dense * bd[k] + expert * be[k] for k in ("weights", "grads", "optimizer")}
-    out["params"] = dense + expert
-    return out
+    best = None
+    for stage in range(grid.pp):
+        p = stage_params(m, grid.pp, stage)
+        dense, expert = p["dense"] / grid.tp, p["expert"] / (grid.ep * grid.etp)
+        out = {k: dense * bd[k] + expert * be[k] for k in ("weights", "grads", "optimizer")}
+        out["params"] = dense + expert
+        if best is None or sum(out[k] for k in ("weights", "grads", "optimizer")) > \
+                sum(best[k] for k in ("weights", "grads", "optimizer")):
+            best = out
+    return best
 
 
 def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "bf16", distributed_optimizer: bool = True,
@@ -286,8 +238,10 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     (``cp_comm_type`` as in `activation_bytes`; the all-gather transient is inside "activations")."""
     w = weight_bytes(m, grid, dtype=dtype, distributed_optimizer=distributed_optimizer)
     act = activation_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, pp=grid.pp, dtype=dtype, recompute=recompute,
-                           microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type)
-    kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype)
+                           microbatches_in_flight=min(grid.pp, microbatches), cp_comm_type=cp_comm_type,
+                           ulysses=grid.ulysses)
+    latent = mla_takes_latent(m, tp=grid.tp, cp=grid.cp, ulysses=grid.ulysses, all_gather=cp_comm_type == "all_gather")
+    kv = kv_state_bytes(m, s=s, b=b, tp=grid.tp, cp=grid.cp, dtype=dtype, latent=latent)
     out = {"params": w["params"], "weights": w["weights"], "grads": w["grads"], "optimizer": w["optimizer"],
            "activations": act["total"], "kv_state": kv["total"], "attention_transient": act["attention_transient"]}
     # The KV state is part of the saved activations (K, V and LSE are saved for backward): not added again.
@@ -295,7 +249,7 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     return out
 
 
-__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "all_gather_transient_bytes",
-           "bytes_per_param", "korthikanti_layer_bytes",
-           "kv_state_bytes", "layer_activation_elems", "params_per_layer", "rank_memory", "replace", "total_params",
-           "weight_bytes"]
+__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "active_params", "all_gather_transient_bytes",
+           "bytes_per_param", "korthikanti_layer_bytes", "mlp_matrices", "mtp_layer_params",
+           "kv_state_bytes", "layer_activation_elems", "layer_params", "params_per_layer", "rank_memory", "replace",
+           "stage_params", "total_params", "weight_bytes"]

@@ -52,14 +52,9 @@ def _save_problems(args, start_iteration):
 def checkpoint_bytes_estimate(args):
     """One checkpoint's bytes, all ranks together (`cp_ext.perf.memory`): fp32 weights + Adam's
     two moments (+ the fp32 main copy of bf16 weights, which the optimizer state holds)."""
-    from cp_ext.perf.memory import ModelShape, total_params
+    from cp_ext.perf.model_shape import ModelShape, total_params
 
-    # an MTP depth is one more transformer layer (plus its 2h x h projection, small beside it)
-    shape = ModelShape(layers=args.num_layers + (args.mtp_num_layers or 0), hidden=args.hidden_size, heads=args.num_attention_heads,
-                       kv_heads=args.num_query_groups, ffn=args.ffn_hidden_size,
-                       vocab=args.vocab_size or 32000, experts=args.num_experts or 0, topk=args.moe_router_topk,
-                       moe_ffn=args.moe_ffn_hidden_size, swiglu=args.swiglu,
-                       tied_embeddings=not args.untie_embeddings_and_output_weights)
+    shape = ModelShape.from_args(args)
     return total_params(shape) * (4 + 8 + (4 if args.bf16 else 0))
 
 

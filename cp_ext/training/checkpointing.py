@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from cp_ext.arguments.attention import MLA_FLAGS
+from cp_ext.perf.model_shape import SHAPE_FLAGS
 from cp_ext.training.checkpoint_state import (
     CONTENT_METADATA,
     CheckpointContext,
@@ -69,20 +70,8 @@ SCHEDULE_FLAGS = {
 }
 # What decides the parameters' shapes: a checkpoint of another shape is refused at parse time.
 
-MODEL_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
-    "kv_channels": "--kv-channels", "num_experts": "--num-experts", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "normalization": "--normalization", "swiglu": "--swiglu", "softmax_type": "--softmax-type",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "vocab_size": "--vocab-size", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
-    "qk_layernorm": "--qk-layernorm", "multi_latent_attention": "--multi-latent-attention",
-    "mtp_num_layers": "--mtp-num-layers", **MLA_FLAGS,
-    "add_bias_linear": "--add-bias-linear", "add_qkv_bias": "--add-qkv-bias", "quick_geglu": "--quick-geglu",
-    "position_embedding_type": "--position-embedding-type",
-    "padded_vocab_size": "--padded-vocab-size", "moe_layer_freq": "--moe-layer-freq",
-    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-}
+# The planner's model description (`cp_ext.perf.model_shape`) names them; MLA's RoPE values too.
+MODEL_FLAGS = {**SHAPE_FLAGS, **MLA_FLAGS}
 GRID_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size", "ulysses_size", "use_distributed_optimizer")
 

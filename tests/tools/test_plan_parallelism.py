@@ -52,7 +52,8 @@ def test_weight_bytes_by_hand():
     m = ModelShape(layers=4, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=256, experts=4, topk=2)
     g = Grid(tp=2, pp=2, cp=2, dp=2, ep=2, etp=2)
     w = weight_bytes(m, g, distributed_optimizer=True)
-    dense = 2 * (4 * 64 * 64 + 2 * 64 + 64 * 4) / 2 + 256 * 64 / 2 + 64  # 2 layers/stage, /TP; embedding /TP; final norm
+    # 2 layers/stage, /TP; embedding /TP (first stage) or output layer /TP + final norm (last: the heavier)
+    dense = (2 * (4 * 64 * 64 + 2 * 64 + 64 * 4) + 256 * 64 + 64) / 2
     expert = 2 * 4 * 3 * 64 * 128 / (2 * 2)
     assert w["params"] == dense + expert
     assert w["weights"] == 2 * (dense + expert) and w["grads"] == 4 * (dense + expert)
@@ -62,10 +63,12 @@ def test_weight_bytes_by_hand():
 def test_activation_formula_by_hand_and_scaling():
     m = ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384)
     a1 = activation_bytes(m, s=4096, dtype="fp32")
-    # per layer per token: 5h + (h + 3h + h) + 2h + 5f + 4d elements (fp32) + 2 rstd + 4 LSE
-    per_layer = (5 * 64 + 5 * 64 + 2 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4
+    # per layer per token (cp_ext.perf.activations): norms 2 x 3h, mixed QKV 3h, RoPE'd q and k 2h,
+    # RoPE 4d, attention output h, MLP 5f elements (fp32) + 2 rstd + 4 LSE
+    per_layer = (6 * 64 + 3 * 64 + 2 * 64 + 4 * 16 + 64 + 5 * 128) * 4 + (2 + 4) * 4
     assert a1["layers"] == 2 * 4096 * per_layer
-    assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 384 * 4 + 4)
+    # final norm 3h + rstd, fp32 logits, ids + labels (int64), loss mask (bool), per-token loss
+    assert a1["embedding+logits"] == 4096 * (3 * 64 * 4 + 4 + 384 * 4 + 8 + 8 + 1 + 4)
     a2 = activation_bytes(m, s=4096, cp=2, dtype="fp32")
     assert a2["total"] / a1["total"] <= 1.15 / 2
     # full recompute keeps only the layer inputs, plus the larger of one layer's working set
@@ -122,13 +125,13 @@ def test_all_gather_transient_by_hand():
     with pytest.raises(ValueError):
         activation_bytes(m, s=4096, cp=8, cp_comm_type="allgather")
     # CP8, 512 tokens per rank: the transient exceeds what is freed before the last layer's attention
-    # backward (logits + that layer's post-attention part: linear_proj input h, norm 2h + rstd, MLP 5f),
+    # backward (logits + that layer's post-attention part: linear_proj input h, norm 3h + rstd, MLP 5f),
     # so it sets the peak: saved layers - post-attention + transient
     ag = activation_bytes(m, s=4096, cp=8, dtype="fp32", cp_comm_type="all_gather")
-    per_layer = (5 * 64 + 5 * 64 + 3 * 64 + 5 * 128 + 4 * 16) * 4 + (2 + 4) * 4  # + h: CP keeps its output apart
+    per_layer = (6 * 64 + 3 * 64 + 2 * 64 + 4 * 16 + 2 * 64 + 5 * 128) * 4 + (2 + 4) * 4  # + h: CP keeps its output apart
     layers = 2 * 512 * per_layer
-    post = 512 * ((2 * 64 + 64 + 5 * 128) * 4 + 4)
-    assert base["total"] == layers + 512 * (3 * 64 * 4 + 384 * 4 + 4)
+    post = 512 * ((3 * 64 + 64 + 5 * 128) * 4 + 4)
+    assert base["total"] == layers + 512 * (3 * 64 * 4 + 4 + 384 * 4 + 21)
     assert ag["attention_transient"] == bwd and ag["total"] == layers - post + bwd > base["total"]
     # CP2: the same transient hides under the logits and the post-attention activations: no change
     assert activation_bytes(m, s=4096, cp=2, dtype="fp32", cp_comm_type="all_gather")["total"] == \
@@ -212,3 +215,51 @@ def test_cli_runs(capsys):
 def test_cli_needs_a_model(flags):
     with pytest.raises(SystemExit):
         planner.main(flags)
+
+
+# The 128K family configs: (nodes of 8 x 80 GiB GPUs, total parameters in billions, planned GiB per rank).
+FAMILY_CONFIGS = {"deepseek_v3_128k_32x8gpu.yaml": (32, 671.0, 69.1), "qwen3_30b_a3b_128k_8x8gpu.yaml": (8, 30.5, 52.7),
+                  "gpt_oss_120b_128k_8x8gpu.yaml": (8, 116.8, 63.1)}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_family_configs_carry_the_planners_first_layout(name, monkeypatch):
+    """The config's grid and recompute are the planner's first layout for the model the config
+    describes (`ModelShape.from_args`), at the estimate its header states."""
+    from cp_ext.arguments import parse_args
+    from cp_ext.perf.model_shape import ModelShape
+
+    monkeypatch.setattr("cp_ext.platform.cuda_unusable_reason", lambda: None)  # a GPU config on this host
+    nodes, billions, gib = FAMILY_CONFIGS[name]
+    args = parse_args(["--config", str(ROOT / "configs" / name)], world_size=8 * nodes)
+    m = ModelShape.from_args(args)
+    assert round(total_params(m) / 1e9, 1) == billions
+    best = planner.plan(m, s=args.seq_length, global_batch=args.global_batch_size, gpu_memory=80 * GiB,
+                        gpus_per_node=8, nodes=nodes)[0]
+    g = best.grid
+    assert best.valid and (g.tp, g.pp, g.cp, g.ep, g.etp, g.ulysses) == (
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.ulysses_size), (name, g)
+    assert (best.recompute is not None) == (args.recompute_granularity == "full"), name
+    assert round(best.memory["total"] / GiB, 1) == gib, (name, best.memory["total"] / GiB)
+    assert f"= {gib} GiB" in (ROOT / "configs" / name).read_text()
+
+
+def test_mla_layer_comm_per_head_or_latent():
+    """MLA's CP bytes: the latent (r + p per token) where cp_ext's MLA takes it (TP1, ring), else
+    per-head K of d_qk + p and V of d_v; dense-first layers send no EP bytes."""
+    m = ModelShape(layers=4, hidden=256, heads=8, kv_heads=8, ffn=512, vocab=384, experts=4, topk=2, moe_ffn=64,
+                   moe_layer_freq=(0, 1, 1, 1), multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=32,
+                   qk_pos_emb_head_dim=16, v_head_dim=32)
+    ring = planner.layer_comm(m, Grid(cp=4, dp=1, ep=4), s=4096, b=1, dtype="bf16")
+    latent = comm.mla_exchange_bytes(b=1, h=8, s_local=1024, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+                                     kv_lora_rank=32, cp=4, dtype="bf16", exchange="latent")
+    assert ring["mla_latent"] and ring["cp_ring"] == latent["ring_p2p"]["fwd"] + latent["ring_p2p"]["bwd"]
+    # TP2: per-head K/V, 8/2 heads x (48 + 32) values per token, as the GQA formula's 2 d at d = 40
+    tp2 = planner.layer_comm(m, Grid(tp=2, cp=4, ep=4, etp=2), s=4096, b=1, dtype="bf16")
+    kv = comm.ring_bytes(b=1, hk=4, s_local=1024, d=40, ring=4, dtype="bf16")
+    assert not tp2["mla_latent"] and tp2["cp_ring"] == kv["fwd"] + kv["bwd"]
+    assert ring["ep"] == 0.75 * sum(comm.ep_layer_bytes(b=1, s=4096, hidden=256, topk=2, ep=4, cp=4).values())
+    # the attention state: per-head K (48) and V (32) per token and layer, or the latent's r + p = 48
+    assert kv_state_bytes(m, s=4096, cp=4)["kv"] == 4 * 8 * (48 + 32) * 4096 * 2 / 4
+    assert kv_state_bytes(m, s=4096, cp=4, latent=True)["kv"] == 4 * 48 * 4096 * 2 / 4

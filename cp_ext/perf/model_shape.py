@@ -1,0 +1,262 @@
+"""One model description for the planner, the checkpoint estimate and the memory measurement.
+
+`ModelShape.from_args` reads it from parsed `pretrain_moe.py` arguments (Megatron-LM's names),
+so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.py,
+`cp_ext.training.checkpoint_checks`) describe the model exactly as the trainer builds it.
+`layer_params` counts one layer's parameters the way megatron-core builds that layer
+(cp_ext's decoder block spec: local linear layers, separate norms, SequentialMLP experts);
+`total_params` equals ``sum(p.numel())`` of the built model for every family in tests/families
+(tests/tools/test_model_shape.py). What a layer holds:
+
+    attention   GQA: linear_qkv [(a + 2g) d, h] (+ bias with --add-bias-linear / --add-qkv-bias),
+                linear_proj [h, a d] (+ bias h), q/k layernorm d each (--qk-layernorm),
+                d = --kv-channels (or h / a)
+                MLA: linear_q_proj [a (d_qk + p), h] or, with --q-lora-rank r_q,
+                linear_q_down_proj [r_q, h] + q_layernorm r_q + linear_q_up_proj [a (d_qk + p), r_q];
+                linear_kv_down_proj [r + p, h], kv_layernorm r (both norms with --qk-layernorm),
+                linear_kv_up_proj [a (d_qk + d_v), r], linear_proj [h, a d_v]
+                sinks (--softmax-type learnable): a
+    norms       input_layernorm, pre_mlp_layernorm: h each (x 2 with LayerNorm's bias)
+    MLP         dense layers (--moe-layer-freq 0, or no experts): fc1 [2f or f, h], fc2 [h, f] (+ biases)
+    MoE         router [E, h] (+ bias E), E experts of f_e, shared experts of f_s (--moe-shared-
+                expert-intermediate-size) as one MLP
+    MTP         (--mtp-num-layers, megatron's MultiTokenPredictionLayer): enorm, hnorm h each,
+                eh_proj [h, 2h], one transformer layer of the last decoder layer's kind, its
+                final norm h; embedding and output layer shared with the main model. cp_ext does
+                not build MTP yet: checked against megatron's own GPTModel with an MTP block.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+# The flags `ModelShape.from_args` reads that decide a parameter's shape: what a checkpoint records
+# of its model and refuses to load into another (`cp_ext.training.checkpointing.MODEL_FLAGS`).
+SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "normalization",
+    "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "softmax_type",
+    "untie_embeddings_and_output_weights", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "position_embedding_type", "mtp_num_layers")}
+SHAPE_FLAGS["add_bias_linear"] = "--disable-bias-linear: add_bias_linear"  # the flag sets it False
+
+PatternLike = Optional[object]  # int (every N-th layer) or a 0/1 list per layer, as Megatron-LM parses them
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    experts: int = 0
+    topk: int = 1
+    moe_ffn: Optional[int] = None
+    swiglu: bool = True  # any gated MLP (SwiGLU, quick-GeGLU): fc1 is twice as wide
+    quick_geglu: bool = False  # GPT-OSS's gated activation: one more intermediate saved (activations only)
+    tied_embeddings: bool = True
+    kv_channels: Optional[int] = None  # head dim when it is not hidden / heads (Qwen3, GPT-OSS)
+    qk_layernorm: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    layernorm: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight)
+    moe_layer_freq: PatternLike = 1  # Megatron's: 1 every layer MoE; [0, 1, 1] dense-first
+    shared_expert_ffn: Optional[int] = None
+    shared_expert_overlap: bool = False  # --moe-shared-expert-overlap: saves one intermediate fewer (measured)
+    softmax_type: str = "vanilla"  # "learnable": a sink per head and layer (GPT-OSS)
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: PatternLike = None
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
+    # the router's scoring (what it saves for backward: `cp_ext.perf.activations.router_saved_bytes`)
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss: bool = True  # a load-balancing loss with a coefficient > 0
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_fp32: bool = False  # --moe-router-dtype fp32: the dispatcher's probs in fp32
+    learned_positions: int = 0  # --position-embedding-type learned_absolute: max_position_embeddings rows
+
+    @property
+    def head_dim(self) -> int:
+        """The q/k head dim (MLA: the non-RoPE part plus the RoPE part)."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i (0-based) is MoE: megatron's moe_layer_freq (int: i % N == 0; list: its 1s)."""
+        if not self.experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[i]) if isinstance(freq, (list, tuple)) else i % freq == 0
+
+    def is_window_layer(self, i: int) -> bool:
+        """megatron's is_layer_window_attention (layer number i + 1)."""
+        if self.window_size is None:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        return bool(freq[i]) if isinstance(freq, (list, tuple)) else (i + 1) % freq != 0
+
+    @classmethod
+    def from_args(cls, args, vocab: Optional[int] = None) -> "ModelShape":
+        """The shape `pretrain_moe.py` builds from ``args`` (`cp_ext.arguments.parse_args`'s namespace).
+
+        ``vocab``: the padded vocabulary when known (the trainer pads the tokenizer's, read only at
+        run time); else --padded-vocab-size, or --vocab-size (32000 without it) padded as the trainer does.
+        """
+        if vocab is None:  # cp_ext.config.padded_vocab_size's padding, without importing torch
+            step = args.make_vocab_size_divisible_by
+            vocab = args.padded_vocab_size or -(-(args.vocab_size or 32000) // step) * step
+        mla = bool(args.multi_latent_attention)
+        freq = args.moe_layer_freq
+        return cls(
+            layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+            kv_heads=args.num_attention_heads if mla else args.num_query_groups, ffn=args.ffn_hidden_size,
+            vocab=vocab, experts=args.num_experts or 0, topk=args.moe_router_topk if args.num_experts else 1,
+            moe_ffn=args.moe_ffn_hidden_size, swiglu=bool(args.swiglu or args.quick_geglu),
+            quick_geglu=bool(args.quick_geglu),
+            tied_embeddings=not args.untie_embeddings_and_output_weights,
+            kv_channels=None if mla else args.kv_channels, qk_layernorm=bool(args.qk_layernorm),
+            add_bias_linear=bool(args.add_bias_linear), add_qkv_bias=bool(args.add_qkv_bias),
+            layernorm=args.normalization == "LayerNorm",
+            moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+            shared_expert_ffn=args.moe_shared_expert_intermediate_size,
+            shared_expert_overlap=bool(args.moe_shared_expert_overlap), softmax_type=args.softmax_type,
+            window_size=None if args.window_size is None else tuple(args.window_size),
+            window_attn_skip_freq=(tuple(args.window_attn_skip_freq) if isinstance(args.window_attn_skip_freq, list)
+                                   else args.window_attn_skip_freq),
+            multi_latent_attention=mla, q_lora_rank=args.q_lora_rank if mla else None,
+            kv_lora_rank=args.kv_lora_rank if mla else 0, qk_head_dim=args.qk_head_dim if mla else 0,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim if mla else 0, v_head_dim=args.v_head_dim if mla else 0,
+            mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
+            moe_aux_loss=bool(args.moe_aux_loss_coeff) and args.moe_router_load_balancing_type != "none",
+            moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_fp32=args.moe_router_dtype == "fp32",
+            learned_positions=(args.max_position_embeddings if args.position_embedding_type == "learned_absolute"
+                               else 0),
+        )
+
+
+PRESETS: Dict[str, ModelShape] = {
+    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False),
+    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, tied_embeddings=False),
+    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, tied_embeddings=False),
+    "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
+                               topk=2, tied_embeddings=False),
+    "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
+}
+
+
+def mlp_matrices(m: ModelShape) -> int:
+    return 3 if m.swiglu else 2
+
+
+def _mlp_params(m: ModelShape, f: int) -> int:
+    """One MLP of intermediate size f: fc1 (2f wide when gated), fc2, and their biases."""
+    bias = ((2 if m.swiglu else 1) * f + m.hidden) if m.add_bias_linear else 0
+    return mlp_matrices(m) * m.hidden * f + bias
+
+
+def attention_params(m: ModelShape) -> int:
+    h, a, norm = m.hidden, m.heads, 2 if m.layernorm else 1
+    sinks = a if m.softmax_type == "learnable" else 0
+    out_bias = h if m.add_bias_linear else 0
+    if m.multi_latent_attention:
+        # MLA with biases is not counted (no family uses it)
+        qd, r, p = m.qk_head_dim + m.qk_pos_emb_head_dim, m.kv_lora_rank, m.qk_pos_emb_head_dim
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank * a * qd + (norm * m.q_lora_rank if m.qk_layernorm else 0)
+        else:
+            q = h * a * qd
+        kv = h * (r + p) + r * a * (m.qk_head_dim + m.v_head_dim) + (norm * r if m.qk_layernorm else 0)
+        return q + kv + a * m.v_head_dim * h + out_bias + sinks
+    d, g = m.head_dim, m.kv_heads
+    qkv_out = (a + 2 * g) * d
+    qkv = h * qkv_out + (qkv_out if m.add_bias_linear or m.add_qkv_bias else 0)
+    qk_norm = 2 * norm * d if m.qk_layernorm else 0
+    return qkv + a * d * h + out_bias + qk_norm + sinks
+
+
+def layer_params(m: ModelShape, i: int) -> Dict[str, int]:
+    """Parameters of layer i: attention, norms, dense MLP, router and shared experts ('dense',
+    sharded by TP) and the routed experts ('expert', sharded by EP x ETP)."""
+    dense = attention_params(m) + 2 * m.hidden * (2 if m.layernorm else 1)
+    if not m.is_moe_layer(i):
+        return {"dense": dense + _mlp_params(m, m.ffn), "expert": 0}
+    router = m.hidden * m.experts + (m.experts if m.add_bias_linear else 0)
+    shared = _mlp_params(m, m.shared_expert_ffn) if m.shared_expert_ffn else 0
+    return {"dense": dense + router + shared, "expert": m.experts * _mlp_params(m, m.expert_ffn)}
+
+
+def mtp_layer_params(m: ModelShape) -> Dict[str, int]:
+    """One MTP layer: enorm, hnorm, eh_proj, a layer like the last decoder layer, its final norm."""
+    per = layer_params(m, m.layers - 1)
+    norm = 2 if m.layernorm else 1
+    return {"dense": per["dense"] + 3 * norm * m.hidden + 2 * m.hidden * m.hidden, "expert": per["expert"]}
+
+
+def params_per_layer(m: ModelShape) -> Dict[str, int]:
+    """The mean layer's parameters (layers differ with --moe-layer-freq); `layer_params` gives each."""
+    per = [layer_params(m, i) for i in range(m.layers)]
+    return {k: sum(p[k] for p in per) // m.layers for k in ("dense", "expert")}
+
+
+def outside_layers_params(m: ModelShape) -> int:
+    """Embedding (+ learned positions), output layer unless tied, final norm."""
+    return (m.vocab * m.hidden * (1 if m.tied_embeddings else 2) + m.learned_positions * m.hidden
+            + m.hidden * (2 if m.layernorm else 1))
+
+
+def total_params(m: ModelShape) -> int:
+    layers = sum(sum(layer_params(m, i).values()) for i in range(m.layers))
+    return layers + m.mtp_layers * sum(mtp_layer_params(m).values()) + outside_layers_params(m)
+
+
+def describe(m: ModelShape) -> str:
+    """One line: what the planner took the model to be."""
+    dense = sum(1 for i in range(m.layers) if not m.is_moe_layer(i))
+    parts = [f"{m.layers} layers" + (f" ({dense} dense)" if m.experts and dense else ""), f"hidden {m.hidden}"]
+    if m.multi_latent_attention:
+        parts.append(f"{m.heads} heads MLA (latent {m.kv_lora_rank} + {m.qk_pos_emb_head_dim}"
+                     + (f", q-LoRA {m.q_lora_rank}" if m.q_lora_rank else "") + f", q/k {m.head_dim}, v {m.v_dim})")
+    else:
+        parts.append(f"{m.heads} heads / {m.kv_heads} KV of {m.head_dim}" + (" + qk-norm" if m.qk_layernorm else ""))
+    if m.window_size is not None:
+        windowed = sum(1 for i in range(m.layers) if m.is_window_layer(i))
+        parts.append(f"window {m.window_size[0]} on {windowed} layers")
+    if m.experts:
+        parts.append(f"{m.experts} experts top-{m.topk} of {m.expert_ffn}"
+                     + (f" + shared {m.shared_expert_ffn}" if m.shared_expert_ffn else ""))
+    parts.append(f"ffn {m.ffn}" if not m.experts or dense else "")
+    parts.append(f"vocab {m.vocab}")
+    return ", ".join(p for p in parts if p) + (f"; {m.mtp_layers} MTP layers" if m.mtp_layers else "")
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters one token uses: every dense part, top-k of the routed experts."""
+    routed = sum(layer_params(m, i)["expert"] for i in range(m.layers) if m.is_moe_layer(i))
+    return total_params(m) - routed + routed * m.topk // max(1, m.experts)
+
+
+__all__ = ["ModelShape", "PRESETS", "SHAPE_FLAGS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
+           "mtp_layer_params", "outside_layers_params", "params_per_layer", "total_params"]
