@@ -179,8 +179,15 @@ def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
 
+# Each of Grid's sizes and the flag (its Megatron-LM dest) that sets it; data parallelism is what is left.
+GRID_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+              "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size", "ulysses": "ulysses_size"}
+
+
 @dataclass(frozen=True)
 class Grid:
+    """The one grid description: what the planner ranks, and what a checkpoint records it was saved at."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -192,6 +199,12 @@ class Grid:
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @classmethod
+    def from_args(cls, args) -> "Grid":
+        """The grid of parsed (validated) arguments."""
+        sizes = {field: getattr(args, name) for field, name in GRID_FLAGS.items()}
+        return cls(dp=args.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"]), **sizes)
 
 
 def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:

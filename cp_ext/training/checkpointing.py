@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from cp_ext.arguments.attention import MLA_FLAGS
+from cp_ext.perf.memory import GRID_FLAGS as PLANNER_GRID_FLAGS
 from cp_ext.perf.model_shape import SHAPE_FLAGS
 from cp_ext.training.checkpoint_state import (
     CONTENT_METADATA,
@@ -72,8 +73,8 @@ SCHEDULE_FLAGS = {
 
 # The planner's model description (`cp_ext.perf.model_shape`) names them; MLA's RoPE values too.
 MODEL_FLAGS = {**SHAPE_FLAGS, **MLA_FLAGS}
-GRID_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "expert_tensor_parallel_size", "ulysses_size", "use_distributed_optimizer")
+# The grid it was saved at (the planner's `Grid`, by flag) and the optimizer's sharding.
+GRID_FLAGS = (*PLANNER_GRID_FLAGS.values(), "use_distributed_optimizer")
 
 
 def iteration_dir(root, iteration):

@@ -263,3 +263,18 @@ def test_mla_layer_comm_per_head_or_latent():
     # the attention state: per-head K (48) and V (32) per token and layer, or the latent's r + p = 48
     assert kv_state_bytes(m, s=4096, cp=4)["kv"] == 4 * 8 * (48 + 32) * 4096 * 2 / 4
     assert kv_state_bytes(m, s=4096, cp=4, latent=True)["kv"] == 4 * 48 * 4096 * 2 / 4
+
+
+def test_grid_from_args_is_the_grid_a_checkpoint_records():
+    """One grid description: parsed flags -> the planner's Grid; the checkpoint metadata records the same sizes."""
+    from cp_ext.arguments import parse_args
+    from cp_ext.perf.memory import GRID_FLAGS, Grid
+    from cp_ext.training.checkpointing import GRID_FLAGS as CHECKPOINT_GRID
+
+    args = parse_args(["--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "4",
+                       "--ulysses-size", "2", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                       "--seq-length", "64"], world_size=32)
+    assert Grid.from_args(args) == Grid(tp=2, pp=2, cp=4, dp=2, ep=4, etp=1, ulysses=2)
+    assert Grid.from_args(args).world == 32
+    assert set(GRID_FLAGS.values()) <= set(CHECKPOINT_GRID)
