@@ -145,9 +145,17 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
-    if args.enable_gpt_oss:
-        # As Megatron-LM's post-training builder: megatron-core reads these only where they exist
-        # (hasattr), so they are attributes of this run's config, not fields every config has.
-        for name, value in GPT_OSS_YARN.items():
+    if args.position_embedding_type == "yarn" and not args.multi_latent_attention:
+        # megatron-core's GPTModel reads its YaRN from yarn_* attributes that only some configs carry; these
+        # are Megatron-LM's values (megatron/training/argument_utils.py), or with --enable-gpt-oss those of its
+        # post-training builder. (MLA's config has YaRN fields of its own, copied above.)
+        yarn = GPT_OSS_YARN if args.enable_gpt_oss else dict(
+            yarn_rotary_scaling_factor=args.rotary_scaling_factor,
+            yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings or 4096,
+            yarn_beta_fast=32.0 if args.yarn_beta_fast is None else args.yarn_beta_fast,
+            yarn_beta_slow=1.0 if args.yarn_beta_slow is None else args.yarn_beta_slow,
+            yarn_mscale=args.mscale, yarn_mscale_all_dim=args.mscale_all_dim,
+            yarn_correction_range_round_to_int=args.yarn_correction_range_round_to_int is not False)
+        for name, value in yarn.items():
             setattr(config, name, value)
     return config

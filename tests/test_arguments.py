@@ -486,7 +486,7 @@ def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
         (["--export-te-mcore-model"], 1, ["--export-te-mcore-model", "post-training (modelopt)", "not training"]),
         (["--trust-remote-code"], 1, ["--trust-remote-code", "post-training (modelopt)"]),
         (["--num-query-groups", "2"], 1, ["--num-query-groups", "--group-query-attention"]),
-        (["--position-embedding-type", "yarn"], 1, ["--position-embedding-type yarn", "--enable-gpt-oss"]),
+        (["--yarn-beta-fast", "16"], 1, ["--yarn-beta-fast", "they configure --position-embedding-type yarn"]),
         (MOE + ["--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type flex", "deep_ep"]),
         (MOE + ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], 1,
          ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
@@ -500,7 +500,7 @@ def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
          ["--moe-layer-recompute", "megatron-core refuses"]),
     ],
     ids=["mla-rotary-interleaved", "layer-freq-length", "layer-freq-no-moe", "shared-size-zero", "qk-head-dim-without-mla",
-         "modelopt-export", "modelopt-remote-code", "groups-without-gqa", "yarn-without-gpt-oss", "flex-dispatcher",
+         "modelopt-export", "modelopt-remote-code", "groups-without-gqa", "yarn-flags-without-yarn", "flex-dispatcher",
          "shared-overlap-needs-alltoall", "quick-geglu-and-swiglu", "expert-tp-below-tp-at-ep1", "biased-experts-at-expert-tp2", "transformer-impl-unknown",
          "moe-layer-recompute-with-full"],
 )
@@ -508,3 +508,30 @@ def test_bad_model_flags_name_the_flag(argv, world, must_name):
     message = _error(argv, world)
     for text in must_name:
         assert text in message, f"{text!r} missing from: {message}"
+
+
+@pytest.mark.quick
+def test_yarn_flags_reach_megatrons_yarn(tmp_path):
+    """Megatron-LM's YaRN for common attention (--position-embedding-type yarn with --rotary-scaling-factor,
+    --yarn-*, --mscale): megatron's GPTModel builds its YarnRotaryEmbedding from them (cp_ext's wrapper
+    around it), with Megatron-LM's defaults where a flag is not given; --enable-gpt-oss sets GPT-OSS's."""
+    from tests.launch import one_rank_megatron, run_code
+
+    code = one_rank_megatron(tmp_path, cp_ext_groups=True) + """
+from cp_ext.arguments import parse_args
+from cp_ext.config import transformer_config_from_args
+from cp_ext.models.gpt_moe import build_model
+shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+         "--disable-bias-linear", "--position-embedding-type", "yarn"]
+def yarn(*flags):
+    args = parse_args(shape + list(flags), world_size=1)
+    inner = build_model(transformer_config_from_args(args), args, 384).rotary_pos_emb.inner
+    return type(inner).__name__, inner.scaling_factor, inner.original_max_position_embeddings, inner.beta_fast, inner.mscale
+print(yarn("--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "32", "--yarn-beta-fast", "16",
+           "--mscale", "0.8"))
+print(yarn())
+print(yarn("--enable-gpt-oss"))
+"""
+    lines = run_code(code).stdout.strip().splitlines()[-3:]
+    assert lines == ["('YarnRotaryEmbedding', 4.0, 32, 16.0, 0.8)", "('YarnRotaryEmbedding', 1.0, 4096, 32.0, 1.0)",
+                     "('YarnRotaryEmbedding', 32.0, 131072, 32.0, 1.0)"], lines

@@ -96,7 +96,9 @@ def add_mla_args(g):
 def mla_flag_problems(args):
     """The MLA flags: only with --multi-latent-attention, sizes that build, and Megatron-LM's exclusions."""
     if not getattr(args, "multi_latent_attention", False):
-        given = [flag for dest, flag in MLA_FLAGS.items() if getattr(args, dest) != MLA_DEFAULTS[dest]]
+        yarn = ("rotary_scaling_factor", "mscale", "mscale_all_dim") if args.position_embedding_type == "yarn" else ()
+        given = [flag for dest, flag in MLA_FLAGS.items()  # YaRN's three are common attention's YaRN's too
+                 if getattr(args, dest) != MLA_DEFAULTS[dest] and dest not in yarn]
         p = [f"{flag} applies to multi-latent attention; add --multi-latent-attention or drop it" for flag in given]
         if getattr(args, "rope_type", None) == "yarn":
             p.append("--rope-type yarn applies to multi-latent attention (common attention takes rope only, as in "

@@ -65,7 +65,8 @@ def add_network_args(parser):
 def _add_position_embedding_args(g):
     g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
                    help="learned_absolute (Megatron-LM's default; a table of --max-position-embeddings rows), rope, "
-                        "yarn (with --enable-gpt-oss, or MLA's --rope-type), or none (NoPE)")
+                        "yarn (YaRN: --rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim; MLA takes "
+                        "--rope-type), or none (NoPE)")
     g.add_argument("--max-position-embeddings", type=POSITIVE, default=None,
                    help="rows of the learned position table, and RoPE's length; defaults to --seq-length")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
@@ -82,6 +83,18 @@ def _add_position_embedding_args(g):
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x's RoPE frequency scaling")
     g.add_argument("--rope-scaling-factor", type=number(float, 0, above=True), default=8.0,
                    help="with --use-rope-scaling: Llama 3.x's factor")
+    # Megatron-LM's YaRN for common attention (megatron/training/argument_utils.py sets megatron-core's yarn_*
+    # config values from these; unset, its defaults: factor --rotary-scaling-factor, original 4096, beta 32/1)
+    g.add_argument("--yarn-original-max-position-embeddings", type=POSITIVE, default=None,
+                   help="with --position-embedding-type yarn: the positions the model was trained at (default 4096)")
+    g.add_argument("--yarn-beta-fast", type=number(float, 0, above=True), default=None,
+                   help="with --position-embedding-type yarn: YaRN's beta_fast (default 32)")
+    g.add_argument("--yarn-beta-slow", type=number(float, 0, above=True), default=None,
+                   help="with --position-embedding-type yarn: YaRN's beta_slow (default 1)")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="with --position-embedding-type yarn: round the correction range's ends (the default)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int")
     g.add_argument("--enable-gpt-oss", action="store_true",
                    help="GPT-OSS's YaRN (scaling 32 from 131072 positions, beta 32/1), as Megatron-LM's "
                         "post-training builder sets it: --position-embedding-type yarn with those values")
@@ -129,10 +142,15 @@ def network_problems(args):
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         p.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless RoPE is on); use "
                  "--position-embedding-type none for no position embedding")
-    if args.position_embedding_type == "yarn" and not args.enable_gpt_oss and not args.multi_latent_attention:
-        p.append("--position-embedding-type yarn: megatron-core's YaRN for common attention reads its yarn_* values "
-                 "from what only --enable-gpt-oss sets (as in Megatron-LM); add --enable-gpt-oss, or use "
-                 "--multi-latent-attention (MLA's YaRN: --rotary-scaling-factor, --mscale)")
+    yarn_flags = [flag for flag, value in (
+        ("--yarn-original-max-position-embeddings", args.yarn_original_max_position_embeddings),
+        ("--yarn-beta-fast", args.yarn_beta_fast), ("--yarn-beta-slow", args.yarn_beta_slow),
+        ("--(no-)yarn-correction-range-round-to-int", args.yarn_correction_range_round_to_int)) if value is not None]
+    if yarn_flags and (args.position_embedding_type != "yarn" or args.multi_latent_attention or args.enable_gpt_oss):
+        why = ("MLA's YaRN takes --rotary-scaling-factor, --mscale and --mscale-all-dim" if args.multi_latent_attention
+               else "--enable-gpt-oss sets GPT-OSS's values" if args.enable_gpt_oss
+               else "they configure --position-embedding-type yarn")
+        p.append(f"{', '.join(yarn_flags)}: {why}; drop {'them' if len(yarn_flags) > 1 else 'it'}")
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
         p.append(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}, "
                  f"the rows of the learned position table; raise --max-position-embeddings")
