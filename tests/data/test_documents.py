@@ -197,7 +197,8 @@ def test_forward_step_passes_document_ids_as_the_attention_mask():
     forward_step(iter([batch]), lambda *args, **kwargs: calls.append((args, kwargs)))
     (args, kwargs), = calls
     assert args[0] is batch.tokens and args[1] is batch.position_ids and args[2] is batch.document_ids
-    assert kwargs == {"labels": batch.labels}
+    assert kwargs.keys() == {"labels", "loss_mask"}  # the loss mask: MTP shifts it, as Megatron-LM's pretrain_gpt
+    assert kwargs["labels"] is batch.labels and kwargs["loss_mask"] is batch.loss_mask
 
 
 # --- RoPE ---------------------------------------------------------------------------------------------------
