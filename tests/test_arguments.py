@@ -535,3 +535,34 @@ print(yarn("--enable-gpt-oss"))
     lines = run_code(code).stdout.strip().splitlines()[-3:]
     assert lines == ["('YarnRotaryEmbedding', 4.0, 32, 16.0, 0.8)", "('YarnRotaryEmbedding', 1.0, 4096, 32.0, 1.0)",
                      "('YarnRotaryEmbedding', 32.0, 131072, 32.0, 1.0)"], lines
+
+
+@pytest.mark.quick
+def test_rope_flags_reach_megatrons_rotary_embedding(tmp_path):
+    """Each RoPE flag of Megatron-LM changes the RoPE megatron builds (the wrapper takes rows of that module's
+    own table, so at every CP layout the option is megatron's): the rotated dims, the frequencies, the
+    interpolation, the interleaving (read by megatron's apply_rotary_pos_emb from the config)."""
+    from tests.launch import one_rank_megatron, run_code
+
+    code = one_rank_megatron(tmp_path, cp_ext_groups=True) + """
+from cp_ext.arguments import parse_args
+from cp_ext.config import transformer_config_from_args
+from cp_ext.models.gpt_moe import build_model
+shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+         "--disable-bias-linear", "--position-embedding-type", "rope"]
+def rope(*flags):
+    args = parse_args(shape + list(flags), world_size=1)
+    config = transformer_config_from_args(args)
+    inner = build_model(config, args, 384).rotary_pos_emb.inner
+    return (inner.inv_freq.numel(), round(float(inner.inv_freq.sum()), 6), inner.seq_len_interpolation_factor,
+            config.rotary_interleaved)
+for flags in ([], ["--rotary-percent", "0.5"], ["--rotary-base", "500000"], ["--use-rope-scaling"],
+              ["--rotary-seq-len-interpolation-factor", "4"], ["--rotary-interleaved"]):
+    print(rope(*flags))
+"""
+    base, half, base_500k, scaled, interpolated, interleaved = [
+        eval(line) for line in run_code(code).stdout.strip().splitlines()[-6:]]
+    assert base[0] == 4 and half[0] == 2  # head dim 8: 4 frequencies, --rotary-percent 0.5 rotates half
+    assert base_500k[1] < base[1] and scaled[1] < base[1]  # a larger base, Llama 3's scaling: lower frequencies
+    assert interpolated[2] == 4 and base[2] is None
+    assert interleaved[3] is True and base[3] is False
