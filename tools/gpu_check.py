@@ -1,6 +1,6 @@
 """The one command a GPU user runs first: does cp_ext compute exact attention and train on this node?
 
-    bash tools/gpu_check.sh [--out DIR]          # every GPU of the node, <= 8 minutes
+    bash tools/gpu_check.sh [--out DIR]          # every GPU of the node, <= 9 minutes
     python3 tools/gpu_check.py --device cpu      # part 2 only, on CPU: tests this script itself
 
 Every check is one row of the summary: PASS, FAIL, or "not covered" (not run here, e.g. the
@@ -26,7 +26,9 @@ written with the environment to ``DIR/summary.json`` (default gpu_check_out/).
    out 0 and LSE -inf. Same bounds, "ref" = the same per-document SDPA in the dtype.
    Windows, sinks and MLA's 192/128 head dims through every kernel (`tools/gpu_check_masks.py`:
    ``local_attention`` against float64 explicit attention; kernels without masks must refuse a
-   window). Then ``pytest tests/attention/test_cuda_kernels.py`` (one GPU).
+   window). Then ``pytest tests/attention/test_cuda_kernels.py`` (one GPU), and Megatron-LM's five MoE
+   scripts' flags (tests/families, shrunk in sizes, bf16) training 3 iterations on one GPU
+   (`tools/gpu_check_families.py`).
 3. Two or more GPUs (torchrun, NCCL, one rank per GPU): ring (C = all GPUs), Ulysses
    (U = all, when the 8 heads split) and the hybrid (U2 x R(n/2), n >= 4 even) on ~4096
    tokens, bf16 and fp32, against float64 truth (`tests.attention.reference.measure` on the
@@ -52,7 +54,7 @@ not return, logsumexp of the dtype-rounded q, k in fp32 -- the kernels' own prec
 
 Exit status: 0 when every row that ran passed and the simulated ring ran; 1 on any FAIL
 (an exception, a timeout or a missing result is a FAIL); 2 when CUDA is not usable.
-Each subprocess is time-boxed and the whole run keeps to ``--budget`` seconds (default 470).
+Each subprocess is time-boxed and the whole run keeps to ``--budget`` seconds (default 540).
 """
 
 import argparse
@@ -436,7 +438,8 @@ def guarded(check, fn, *args):
         got = fn(*args)
         return got if isinstance(got, list) else [got]
     except Exception as e:
-        return [row("single" if "pytest" in check else "multi", check, "FAIL", f"{type(e).__name__}: {e}"[:300])]
+        part = "single" if "pytest" in check or "1 GPU" in check else "multi"
+        return [row(part, check, "FAIL", f"{type(e).__name__}: {e}"[:300])]
 
 
 def torchrun(n):
@@ -663,7 +666,7 @@ def main(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: only the simulated ring, with the CPU kernels (tests this script)")
     p.add_argument("--out", default="gpu_check_out", help="directory for summary.json and the logs")
-    p.add_argument("--budget", type=float, default=470, help="seconds for the whole check (each step is time-boxed)")
+    p.add_argument("--budget", type=float, default=540, help="seconds for the whole check (each step is time-boxed)")
     p.add_argument("--worker", choices=["attention"], help=argparse.SUPPRESS)  # one torchrun rank of part 3
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
@@ -695,8 +698,12 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.empty_cache()
         rows += guarded("pytest tests/attention/test_cuda_kernels.py", cuda_pytest_row, out, left(150))
+        from gpu_check_families import family_rows  # Megatron-LM's five MoE scripts on one GPU
+
+        rows += guarded("Megatron-LM's MoE scripts on 1 GPU", family_rows, out, left(40), run_logged, row)
     else:
         rows.append(row("single", "pytest tests/attention/test_cuda_kernels.py", NOT_COVERED, "needs CUDA"))
+        rows.append(row("single", "Megatron-LM's MoE scripts on 1 GPU", NOT_COVERED, "needs CUDA"))
     if n >= 2:
         rows += guarded(MULTI_GPU[0], nccl_attention_rows, out, n, left(150))
         rows += guarded(MULTI_GPU[1], demo_row, out, n, left(200))

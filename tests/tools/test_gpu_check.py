@@ -308,3 +308,22 @@ def test_nccl_rows(gc, monkeypatch, tmp_path):
                                                                      "of GPUs, not 2"]
     _fake_run(monkeypatch, gc, lambda out: None)  # the worker "exited 0" but wrote nothing
     assert [r["status"] for r in gc.nccl_attention_rows(tmp_path, 2, 10)] == ["FAIL"]
+
+
+def test_family_rows_pass_a_real_run_and_fail_a_broken_one(gc, tmp_path):
+    """gpu_check's family rows on a real (CPU) run of one script's flags: PASS with 3 finite losses; a run
+    that cannot start (an unknown flag) is a FAIL row with its exit status, never a pass."""
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from gpu_check_families import family_rows
+
+    def on_cpu(cmd, log, timeout):
+        return gc.run_logged([("cpu" if str(c) == "cuda" else c) for c in cmd], log, timeout)
+
+    (ok,) = family_rows(tmp_path, 120, on_cpu, gc.row, families=["mixtral_8x7b"])
+    assert ok["status"] == "PASS", ok
+
+    def broken(cmd, log, timeout):
+        return gc.run_logged([*cmd, "--no-such-flag"], log, timeout)
+
+    (bad,) = family_rows(tmp_path, 120, broken, gc.row, families=["qwen3_30b_a3b"])
+    assert bad["status"] == "FAIL" and "exit 2" in bad["figure"], bad
