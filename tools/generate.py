@@ -46,6 +46,9 @@ def tool_parser():
                    help="refuse prompt + new tokens longer than this (Megatron's flag: the positions the "
                         "model may use); past --seq-length only a warning")
     p.add_argument("--output", default=None, help="write one JSON line per prompt")
+    p.add_argument("--logprobs", action="store_true",
+                   help="score: each prompt token's log-probability given the ones before it (vLLM's prompt_logprobs, "
+                        "null for the first) and each generated token's, in --output's JSON")
     p.add_argument("--passkey-samples", type=POSITIVE, default=None,
                    help="with --synthetic-task passkey: instead of text prompts, N held-out passkey samples up to "
                         "their query token; generates the key's digits and reports how many keys came out right")
@@ -114,6 +117,10 @@ def main(argv=None):
         if tool.temperature == 0 and (tool.top_k or tool.top_p < 1.0):
             raise ConfigError("  - --top-k and --top-p cut the distribution a sample is drawn from; greedy decoding "
                               "(--temperature 0, the default) draws none: add --temperature, e.g. 0.7")
+        if tool.logprobs and (not tool.output or tool.passkey_samples):
+            raise ConfigError("  - --logprobs writes each prompt's log-probabilities into --output's JSON: add "
+                              "--output FILE" + (" and drop --passkey-samples (it reports keys, not prompts)"
+                                                  if tool.passkey_samples else ""))
         if tool.passkey_samples and args.synthetic_task != "passkey":
             raise ConfigError("  - --passkey-samples needs --synthetic-task passkey (the task the model was trained on)")
         prompts = read_prompts(tool) if not tool.passkey_samples else []
@@ -159,14 +166,17 @@ def main(argv=None):
             f"CP {args.context_parallel_size}, Ulysses {args.ulysses_size})")
         prompts = []
     for text, ids in zip(prompts, encoded):
-        out = generator.generate(ids, tool.max_new_tokens, sampling, stop_ids=(tokenizer.eod,))
+        out = generator.generate(ids, tool.max_new_tokens, sampling, stop_ids=(tokenizer.eod,), logprobs=tool.logprobs)
         generated = tokenizer.detokenize([t for t in out.new_ids if t != tokenizer.eod])
         if out.prefilled < len(ids):
             say(f"note: the CP layout splits {out.prefilled} of the prompt's {len(ids)} tokens; the last "
                 f"{len(ids) - out.prefilled} were decoded one by one (exact, no padding)")
         say(f"prompt ({len(ids)} tokens): {text[-200:]!r}\ngenerated ({len(out.new_ids)} tokens): {generated!r}\n"
             f"ids: {out.new_ids}")
-        records.append({"prompt": text, "prompt_tokens": len(ids), "ids": out.new_ids, "text": generated})
+        record = {"prompt": text, "prompt_tokens": len(ids), "ids": out.new_ids, "text": generated}
+        if tool.logprobs:
+            record.update(prompt_ids=ids, prompt_logprobs=out.prompt_logprobs, logprobs=out.new_logprobs)
+        records.append(record)
     if rank0 and tool.output:
         Path(tool.output).parent.mkdir(parents=True, exist_ok=True)
         Path(tool.output).write_text("".join(json.dumps(r) + "\n" for r in records))

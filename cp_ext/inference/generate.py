@@ -56,6 +56,10 @@ class Generation:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # over `decode_steps` tokens through the decode path (prompt tail included)
     decode_steps: int = 0
+    # with ``logprobs``: each prompt token's log-probability given the tokens before it (None for the first:
+    # nothing predicts it), vLLM's prompt_logprobs; and each generated token's. Known on every rank.
+    prompt_logprobs: Optional[List[Optional[float]]] = None
+    new_logprobs: Optional[List[float]] = None
 
 
 def prefill_length(prompt_length: int, cp_size: int, layout: str, sp_size: int = 1) -> int:
@@ -122,9 +126,11 @@ class Generator:
         dist.send(hidden.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
 
     @torch.no_grad()
-    def _prefill(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    def _prefill(self, ids: torch.Tensor, scores: Optional[torch.Tensor] = None,
+                 prompt: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The prompt prefix through the model with the training CP layout; [vocab] logits of its last
-        token on the last pipeline stage (None on the others)."""
+        token on the last pipeline stage (None on the others). With ``scores`` (the [prompt - 1] log-probs
+        being filled): each prefix position's log-prob of the next ``prompt`` token, added at its place."""
         length = ids.numel()
         positions = cp_state.get_context_parallel_positions(length, self.layout, device=self.device)
         if not self.first_stage:
@@ -133,6 +139,14 @@ class Generator:
         if not self.last_stage:
             self._to_next_stage(out)  # [s_local / SP, 1, hidden]
             return None
+        if scores is not None:  # every position this rank holds predicts the prompt's next token
+            here = positions[positions + 1 < prompt.numel()]
+            rows = torch.log_softmax(self._vocab(out[0]).float(), dim=-1)[(positions + 1 < prompt.numel()).nonzero()[:, 0]]
+            local = torch.zeros_like(scores)
+            local[here] = rows.gather(1, prompt[here + 1][:, None])[:, 0]
+            if self.cp_size > 1:  # each position on one CP rank, zeros elsewhere: the sum is exact
+                dist.all_reduce(local, group=parallel_state.get_context_parallel_group())
+            scores += local
         # The rank holding the last position contributes its row; the others add zeros (exact).
         last = torch.zeros(self._vocab(out[0, :1]).shape[-1], dtype=torch.float32, device=self.device)
         here = (positions == length - 1).nonzero()
@@ -183,8 +197,18 @@ class Generator:
             token = int(sent)
         return token
 
+    def _known_everywhere(self, values: torch.Tensor) -> List[float]:
+        """Values computed on the last pipeline stage, as a list on every stage."""
+        if self.pp_size > 1:
+            dist.broadcast(values, parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return values.tolist()
+
     def generate(self, prompt_ids: List[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 stop_ids=()) -> Generation:
+                 stop_ids=(), logprobs: bool = False) -> Generation:
+        """Greedy or sampled tokens after the prompt; with ``logprobs`` also the prompt's and the generated
+        tokens' log-probabilities (log-softmax of the fp32 logits over the model's padded vocabulary, as
+        its training loss sees them)."""
         result = Generation(list(prompt_ids))
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         prefilled = prefill_length(len(prompt_ids), self.cp_size, self.layout, self.sp_size)
@@ -192,14 +216,17 @@ class Generator:
         generator = torch.Generator().manual_seed(sampling.seed)
         start = time.perf_counter()
         try:
+            scores = torch.zeros(max(len(prompt_ids) - 1, 0), device=self.device) if logprobs else None
             if prefilled:
-                logits = self._prefill(ids[:prefilled])
+                logits = self._prefill(ids[:prefilled], scores, ids)
             else:
                 cache.start_empty()
             cache.decoding = True
             result.prefill_seconds = time.perf_counter() - start
             start = time.perf_counter()
             for position in range(prefilled, len(prompt_ids)):  # the prompt's tail: teacher-forced decode steps
+                if scores is not None and logits is not None and position > 0:  # what predicted this token
+                    scores[position - 1] = torch.log_softmax(logits, dim=-1)[ids[position]]
                 logits = self._decode(int(ids[position]), position, cache)
             position = len(prompt_ids)
             while len(result.new_ids) < max_new_tokens:
@@ -211,6 +238,11 @@ class Generator:
                     break
                 logits = self._decode(token, position, cache)
                 position += 1
+            if scores is not None:
+                result.prompt_logprobs = [None] + self._known_everywhere(scores)
+                new = torch.tensor([float(torch.log_softmax(g, dim=-1)[t]) for g, t in zip(result.logits, result.new_ids)]
+                                   if self.last_stage else [0.0] * len(result.new_ids), device=self.device)
+                result.new_logprobs = self._known_everywhere(new)
             result.decode_seconds = time.perf_counter() - start
             result.decode_steps = position - prefilled
             result.prefilled, result.cache_bytes = prefilled, cache.bytes_held()

@@ -77,6 +77,28 @@ def test_cp_generation_equals_cp1(results, layout, prompt):
     assert any(d is not None for d in diffs) and all(d < 1e-5 for d in diffs if d is not None), diffs
 
 
+@pytest.mark.parametrize("prompt, layout", [pytest.param(p, layout, marks=[pytest.mark.quick] if (p, layout) == QUICK else [])
+                                            for layout in REFERENCE for p in PROMPTS])
+def test_logprobs_equal_cp1s_on_every_rank(results, layout, prompt):
+    """Scoring (tools/generate.py --logprobs): every prompt token's and generated token's log-prob, on every
+    rank (PP stages included), within 1e-5 of CP1's; the first prompt token has none (vLLM's null)."""
+    ref = results[0][REFERENCE[layout]][prompt]
+    assert ref["prompt_logprobs"][0] is None and len(ref["prompt_logprobs"]) == PROMPTS[prompt]
+    for rank in results:
+        got = results[rank][layout][prompt]
+        assert got["prompt_logprobs"][0] is None
+        pairs = list(zip(got["prompt_logprobs"][1:] + got["logprobs"], ref["prompt_logprobs"][1:] + ref["logprobs"]))
+        assert len(pairs) == PROMPTS[prompt] - 1 + NEW_TOKENS
+        worst = max(abs(a - b) for a, b in pairs)
+        assert worst <= 1e-5, (rank, worst)
+
+
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_cp1_logprobs_equal_a_full_forwards_log_softmax(results, layout, prompt):
+    assert results[0][layout][prompt]["logprob_max_abs_diff_vs_full_forward"] < 1e-5
+
+
 def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp4_hybrid"]["sampled"] == results[0]["cp1"]["sampled"]
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
@@ -136,13 +158,19 @@ def worker():
         gen = Generator(trainer)
         results[layout] = {}
         for name, ids in prompts.items():
-            out = gen.generate(ids, NEW_TOKENS)
+            out = gen.generate(ids, NEW_TOKENS, logprobs=True)
             logits = torch.stack(out.logits) if out.logits else None
-            record = {"new_ids": out.new_ids, "cache_bytes": out.cache_bytes, "prefilled": out.prefilled}
+            record = {"new_ids": out.new_ids, "cache_bytes": out.cache_bytes, "prefilled": out.prefilled,
+                      "prompt_logprobs": out.prompt_logprobs, "logprobs": out.new_logprobs}
             if layout not in REFERENCE:
                 cp1_logits[layout, name] = logits
-                full = _full_forward_logits(trainer, ids + out.new_ids[:-1])[len(ids) - 1:]
+                whole = _full_forward_logits(trainer, ids + out.new_ids[:-1])
+                full = whole[len(ids) - 1:]
                 record["max_logit_rel_diff_vs_full_forward"] = ((full - logits).abs().max() / full.abs().max()).item()
+                # scoring: each token's log-softmax under one full forward, the prompt's and the generated ones
+                every = torch.log_softmax(whole, dim=-1).gather(1, torch.tensor(ids[1:] + out.new_ids)[:, None])[:, 0]
+                record["logprob_max_abs_diff_vs_full_forward"] = (every - torch.tensor(
+                    out.prompt_logprobs[1:] + out.new_logprobs)).abs().max().item()
             elif out.logits:
                 ref = cp1_logits[REFERENCE[layout], name]
                 record["max_logit_rel_diff_vs_cp1"] = ((ref - logits).abs().max() / ref.abs().max()).item()

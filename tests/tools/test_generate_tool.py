@@ -44,10 +44,13 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def main():"}\n\n{"text": "import os"}\n')
     proc = _run(2, TOOL, "--context-parallel-size", "2", "--prompt-jsonl", prompts, "--prompt", "x = 1",
-                "--max-new-tokens", "3", "--output", tmp_path / "out.jsonl")
+                "--max-new-tokens", "3", "--output", tmp_path / "out.jsonl", "--logprobs")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["x = 1", "def main():", "import os"]
     assert all(len(r["ids"]) <= 3 and isinstance(r["text"], str) for r in records)
+    for r in records:  # --logprobs: one per prompt token (null for the first) and per generated token, all <= 0
+        assert len(r["prompt_logprobs"]) == r["prompt_tokens"] == len(r["prompt_ids"]) and r["prompt_logprobs"][0] is None
+        assert len(r["logprobs"]) == len(r["ids"]) and all(x <= 0 for x in r["prompt_logprobs"][1:] + r["logprobs"])
     assert "no --load" in proc.stdout and "decoded one by one" in proc.stdout  # 5 and 11 tokens: tails at CP2
 
 
@@ -58,13 +61,14 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt", "abcdef", "--max-new-tokens", "8", "--max-position-embeddings", "10"],
      "exceeds --max-position-embeddings 10"),
     (["--passkey-samples", "4"], "--passkey-samples needs --synthetic-task passkey"),
+    (["--prompt", "x", "--logprobs"], "--logprobs writes each prompt's log-probabilities into --output's JSON"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature"),
     (["--prompt", "x", "--top-p", "0"], "--top-p"),
     (["--prompt", "x", "--top-k", "5"], "add --temperature"),
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
-], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "temperature", "top-p", "top-k-greedy", "jsonl",
+], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "logprobs-without-output", "temperature", "top-p", "top-k-greedy", "jsonl",
         "prompt-file", "other-model"])
 def test_bad_input_is_one_message(tmp_path, args, must_name, crafted_checkpoint):
     jsonl = tmp_path / "p.jsonl"
