@@ -1,0 +1,6 @@
+"""Hugging Face checkpoints in and out of cp_ext (`tools/convert_hf.py`).
+
+`reader.HFCheckpoint` reads ``config.json`` and the safetensors (sharded with an index, or one file),
+tensor by tensor; `families` holds one adapter per architecture: the config's flags, and how each
+of megatron's full (unsharded) tensors is assembled from Hugging Face's. No transformers needed.
+"""
