@@ -487,6 +487,7 @@ def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
         (["--trust-remote-code"], 1, ["--trust-remote-code", "post-training (modelopt)"]),
         (["--num-query-groups", "2"], 1, ["--num-query-groups", "--group-query-attention"]),
         (["--yarn-beta-fast", "16"], 1, ["--yarn-beta-fast", "they configure --position-embedding-type yarn"]),
+        (["--use-checkpoint-args"], 1, ["--use-checkpoint-args reads the model flags of the --load checkpoint"]),
         (MOE + ["--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type flex", "deep_ep"]),
         (MOE + ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], 1,
          ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
@@ -500,7 +501,7 @@ def test_mla_head_dims_checked_against_the_named_kernel(cuda_host):
          ["--moe-layer-recompute", "megatron-core refuses"]),
     ],
     ids=["mla-rotary-interleaved", "layer-freq-length", "layer-freq-no-moe", "shared-size-zero", "qk-head-dim-without-mla",
-         "modelopt-export", "modelopt-remote-code", "groups-without-gqa", "yarn-flags-without-yarn", "flex-dispatcher",
+         "modelopt-export", "modelopt-remote-code", "groups-without-gqa", "yarn-flags-without-yarn", "checkpoint-args-without-load", "flex-dispatcher",
          "shared-overlap-needs-alltoall", "quick-geglu-and-swiglu", "expert-tp-below-tp-at-ep1", "biased-experts-at-expert-tp2", "transformer-impl-unknown",
          "moe-layer-recompute-with-full"],
 )

@@ -27,7 +27,7 @@ import time
 
 from cp_ext.arguments.attention import ATTENTION_BACKENDS  # noqa: F401 (re-exported)
 from cp_ext.arguments.attention import add_attention_group, attention_problems, fill_attention_defaults
-from cp_ext.arguments.checkpointing import add_checkpoint_args, checkpoint_flag_problems
+from cp_ext.arguments.checkpointing import add_checkpoint_args, apply_checkpoint_args, checkpoint_flag_problems
 from cp_ext.arguments.implementations import add_implementation_args, modelopt_flags, modelopt_problem
 from cp_ext.arguments.logging import add_logging_args, logging_problems
 from cp_ext.arguments.moe import add_moe_args, fill_moe_defaults, moe_problems
@@ -69,6 +69,9 @@ def parse_args(argv=None, world_size=None):
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
+    problems = apply_checkpoint_args(args)  # the checkpoint's model flags, before what derives from them
+    if problems:
+        raise ConfigError("\n".join(f"  - {p}" for p in problems))
     _fill_derived(args)
     problems = validate_args(args)
     if problems:

@@ -24,6 +24,9 @@ def add_checkpoint_args(parser):
     g.add_argument("--ckpt-fallback", action="store_true",
                    help="on --load, if the latest checkpoint cannot be read (truncated or corrupt), load the newest "
                         "earlier complete one instead, saying so")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Megatron-LM's: the model flags the --load checkpoint was saved with (its meta.json) "
+                        "override the command line's; give only grid and training flags")
     g.add_argument("--finetune", action="store_true",
                    help="on --load, load the weights only and start at iteration 0 (no optimizer, RNG, data position)")
 
@@ -32,4 +35,44 @@ def add_checkpoint_args(parser):
 def checkpoint_flag_problems(args):
     if args.save_interval is not None and not args.save:
         return [f"--save-interval {args.save_interval} needs --save DIR (where to save); add it or drop the flag"]
+    return []
+
+
+# What --use-checkpoint-args carries (as Megatron-LM's load_args_from_checkpoint): every flag of these
+# option groups, less those that choose an implementation or a training knob rather than the model.
+MODEL_ARG_GROUPS = ("network size", "attention", "mixture of experts")
+NOT_MODEL_ARGS = {"attention_backend", "attention_kernel", "use_flash_attn", "attention_softmax_in_fp32",
+                  "cp_mla_exchange", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_shared_expert_overlap",
+                  "moe_layer_recompute", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+                  "mtp_loss_scaling_factor", "hidden_dropout", "attention_dropout", "max_position_embeddings",
+                  "bf16", "init_method_std"}
+
+
+def model_args(args):
+    """The model's own flags (dest: value) of a parsed run, for meta.json and --use-checkpoint-args."""
+    from cp_ext.arguments import build_parser
+
+    parser = build_parser()
+    dests = {action.dest for group in parser._action_groups if group.title in MODEL_ARG_GROUPS
+             for action in group._group_actions}
+    return {dest: getattr(args, dest) for dest in sorted(dests - NOT_MODEL_ARGS) if hasattr(args, dest)}
+
+
+def apply_checkpoint_args(args):
+    """--use-checkpoint-args: the --load checkpoint's model flags onto ``args`` (before the derived
+    defaults are filled); the problems, if it cannot."""
+    if not args.use_checkpoint_args:
+        return []
+    if not args.load:
+        return ["--use-checkpoint-args reads the model flags of the --load checkpoint: add --load DIR"]
+    from cp_ext.training.checkpointing import meta_to_load
+
+    found = meta_to_load(args.load, args.ckpt_fallback)
+    meta = (found[1] or {}) if found else {}
+    model = {**meta.get("model", {}), **meta.get("model_args", {})}  # shapes; all model flags where recorded
+    if not model:
+        return [f"--use-checkpoint-args: --load {args.load} holds no checkpoint with its model flags (meta.json); "
+                f"give the model flags (or --config FILE.yaml) instead"]
+    for name, value in model.items():
+        setattr(args, name, value)
     return []

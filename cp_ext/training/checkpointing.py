@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from cp_ext.arguments.attention import MLA_FLAGS
+from cp_ext.arguments.checkpointing import model_args
 from cp_ext.perf.memory import GRID_FLAGS as PLANNER_GRID_FLAGS
 from cp_ext.perf.model_shape import SHAPE_FLAGS
 from cp_ext.training.checkpoint_state import (
@@ -208,6 +209,7 @@ class Checkpointer:
                 "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
                 "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
                 "model": {name: getattr(args, name) for name in MODEL_FLAGS},
+                "model_args": model_args(args),  # what --use-checkpoint-args gives a loading run
                 # the data position, and the length the train dataset's sample order was built for
                 "consumed_samples": self.trainer.consumed_samples, "train_samples": len(self.trainer.dataset)}
 

@@ -22,7 +22,9 @@ TOOL, GENERATE = REPO_ROOT / "tools" / "convert_hf.py", REPO_ROOT / "tools" / "g
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."  # 62 bytes: a tail past CP2's split
 GRIDS = {"cp1": (1, []), "cp2_ring": (2, ["--context-parallel-size", "2"]),
          "cp2_ulysses": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
-         "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+         "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+         # Megatron-LM's --use-checkpoint-args: the model flags from the checkpoint, none on the command line
+         "cp2_ring_checkpoint_args": (2, ["--context-parallel-size", "2", "--use-checkpoint-args"])}
 
 
 def _tiny(family):
@@ -74,7 +76,8 @@ def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
     hf, ckpt, model = converted[family]
     nproc, flags = GRIDS[grid]
     output = tmp_path / "scores.jsonl"
-    run_script(nproc, GENERATE, "--config", ckpt / "model.yaml", "--load", ckpt, *flags, "--seq-length", "64",
+    model_flags = [] if "--use-checkpoint-args" in flags else ["--config", ckpt / "model.yaml"]
+    run_script(nproc, GENERATE, *model_flags, "--load", ckpt, *flags, "--seq-length", "64",
                "--prompt", PROMPT, "--max-new-tokens", "4", "--logprobs", "--output", output)
     record = json.loads(output.read_text().splitlines()[0])
     ids = torch.tensor(record["prompt_ids"] + record["ids"])[None]
