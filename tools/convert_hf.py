@@ -101,18 +101,22 @@ def _bytes(text):
     return int(text)
 
 
-def export_checkpoint(load, out, max_shard_bytes):
+def export_checkpoint(load, out, max_shard_bytes, hf_files=None):
+    """``hf_files``: the directory with config.json and the tokenizer files (default: what the import kept in
+    the checkpoint; a run that trained on from it saves elsewhere, so name the import's CKPT/hf)."""
     out, load = Path(out), Path(load)
     if out.exists() and any(out.iterdir()):
         raise HFError(f"--hf-dir {out} exists and is not empty; give a new directory (nothing is overwritten)")
-    config_path = load / HF_FILES / "config.json"
+    kept = Path(hf_files) if hf_files else load / HF_FILES
+    config_path = kept / "config.json"
     if not config_path.is_file():
-        raise HFError(f"--load {load}: no {HF_FILES}/config.json; export writes checkpoints that "
-                      f"tools/convert_hf.py import made (it keeps the Hugging Face config there)")
+        raise HFError(f"{config_path} is missing: export needs the Hugging Face config.json that "
+                      f"tools/convert_hf.py import keeps in CKPT/{HF_FILES}/; for a checkpoint trained on from an "
+                      f"import, give --hf-files IMPORTED_CKPT/{HF_FILES}")
     config = json.loads(config_path.read_text())
     adapter = adapter_for(config, str(config_path))
     single_process_without_torchrun()
-    args = parse_args(["--config", str(load / MODEL_YAML), "--load", str(load), "--finetune", "--device", "cpu",
+    args = parse_args(["--load", str(load), "--use-checkpoint-args", "--finetune", "--device", "cpu",
                        "--train-iters", "1"])
 
     import torch
@@ -163,8 +167,8 @@ def export_checkpoint(load, out, max_shard_bytes):
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     for name in ("config.json",) + TOKENIZER_FILES:
-        if (load / HF_FILES / name).is_file():
-            shutil.copy(load / HF_FILES / name, out / name)
+        if (kept / name).is_file():
+            shutil.copy(kept / name, out / name)
     print(f"convert_hf: {load} -> {out}: {len(weight_map)} tensors in {count} shard(s), {total / 2 ** 20:.1f} MiB")
     trainer.shutdown()
 
@@ -179,12 +183,14 @@ def main(argv=None):
     exp.add_argument("--load", required=True)
     exp.add_argument("--hf-dir", required=True, help="a new or empty directory")
     exp.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors shard (5GB, 500MB, 40KB, ...)")
+    exp.add_argument("--hf-files", default=None,
+                     help="config.json and tokenizer files (default: --load's hf/, which the import wrote)")
     a = p.parse_args(argv)
     try:
         if a.command == "import":
             import_checkpoint(a.hf_dir, a.save)
         else:
-            export_checkpoint(a.load, a.hf_dir, _bytes(a.max_shard_size))
+            export_checkpoint(a.load, a.hf_dir, _bytes(a.max_shard_size), a.hf_files)
     except (HFError, ConfigError) as e:
         exit_with_config_error("convert_hf.py", ConfigError(f"  - {e}" if isinstance(e, HFError) else str(e)))
 

@@ -4,10 +4,11 @@ Small random models are built with transformers' config classes (no hub): a Qwen
 GQA with its own head dim, a dense first layer, normalized top-k routing), saved sharded with an
 index, and a Mixtral (GQA, softmax top-2), saved as one file; their norms are perturbed so a
 dropped norm shows. Each is imported, and `tools/generate.py --logprobs` scores a prompt at CP1,
-CP2 ring, CP2 Ulysses and TP2+SP: every prompt token's and generated token's log-prob equals
+CP2 ring, CP2 Ulysses, CP2 all_gather, CP4 = U2 x R2, TP2+SP, PP2 and EP2: every prompt token's and generated token's log-prob equals
 transformers' log_softmax of its fp32 logits within 1e-4 (measured: 5e-7), and greedy tokens equal
 transformers' argmax. Export gives every tensor back bit for bit, in shards transformers loads with
-no missing or unexpected key. Bad inputs are one message naming the file, the tensor or the key.
+no missing or unexpected key, and after 3 training steps at CP4 the exported model's log-probs equal
+cp_ext's. Bad inputs are one message naming the file, the tensor or the key.
 """
 
 import json
@@ -23,6 +24,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog, again and again."  # 62 b
 GRIDS = {"cp1": (1, []), "cp2_ring": (2, ["--context-parallel-size", "2"]),
          "cp2_ulysses": (2, ["--context-parallel-size", "2", "--ulysses-size", "2"]),
          "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+         "cp2_all_gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+         "cp4_u2r2": (4, ["--context-parallel-size", "4", "--ulysses-size", "2"]),
+         "pp2": (2, ["--pipeline-model-parallel-size", "2"]), "ep2": (2, ["--expert-model-parallel-size", "2"]),
          # Megatron-LM's --use-checkpoint-args: the model flags from the checkpoint, none on the command line
          "cp2_ring_checkpoint_args": (2, ["--context-parallel-size", "2", "--use-checkpoint-args"])}
 
@@ -33,7 +37,7 @@ def _tiny(family):
 
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
                                 max_position_embeddings=128, tie_word_embeddings=False)
         model_class = Qwen3MoeForCausalLM
@@ -93,7 +97,7 @@ def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
 
 def test_model_yaml_carries_the_families_flags(converted):
     text = (converted["qwen3_moe"][1] / "model.yaml").read_text()
-    for line in ('qk-layernorm: true', 'moe-layer-freq: "[0,1,1]"', 'num-query-groups: "2"', 'kv-channels: "16"',
+    for line in ('qk-layernorm: true', 'moe-layer-freq: "[0,1,1,1]"', 'num-query-groups: "2"', 'kv-channels: "16"',
                  'padded-vocab-size: "384"', 'untie-embeddings-and-output-weights: true'):
         assert line in text, text
     assert "moe-router-pre-softmax" not in text  # norm_topk_prob: top-k, then softmax over the k
@@ -186,3 +190,28 @@ def test_export_refuses_a_non_empty_directory(converted, tmp_path):
     proc = run_script(0, TOOL, "export", "--load", converted["mixtral"][1], "--hf-dir", tmp_path / "taken", check=False)
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+def test_trained_at_cp4_then_exported_scores_as_cp_ext_does(converted, tmp_path):
+    """Fine-tune the import 3 steps at CP4 (the model flags from the checkpoint), export, load in transformers:
+    its log-probs of a prompt equal cp_ext's on the trained checkpoint (and moved from the import's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, ckpt, original = converted["qwen3_moe"]
+    trained, out, scores = tmp_path / "trained", tmp_path / "exported", tmp_path / "scores.jsonl"
+    run_script(4, REPO_ROOT / "pretrain_moe.py", "--load", ckpt, "--use-checkpoint-args", "--finetune", "--save", trained,
+               "--context-parallel-size", "4", "--seq-length", "64", "--global-batch-size", "4", "--train-iters", "3",
+               "--lr", "1e-2", "--log-dir", tmp_path / "run")
+    run_script(0, TOOL, "export", "--load", trained, "--hf-dir", out, "--hf-files", ckpt / "hf")
+    run_script(1, GENERATE, "--load", trained, "--use-checkpoint-args", "--seq-length", "64", "--prompt", PROMPT,
+               "--max-new-tokens", "1", "--logprobs", "--output", scores)
+    record = json.loads(scores.read_text().splitlines()[0])
+    ids = torch.tensor(record["prompt_ids"])[None]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.log_softmax(model(ids).logits.float()[0], -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        before = torch.log_softmax(original(ids).logits.float()[0], -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    ours = torch.tensor(record["prompt_logprobs"][1:])
+    assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
+    assert (theirs - before).abs().max() > 1e-3, "training changed nothing the export carries"
