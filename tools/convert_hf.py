@@ -71,8 +71,6 @@ def import_checkpoint(hf_dir, save):
         for piece in iter_global_slices(model):
             if piece.unit != unit:
                 unit, full = piece.unit, adapter.unit(hf, piece.unit)
-                if piece.unit == "embedding.word_embeddings.weight" or piece.unit == "output_layer.weight":
-                    full = torch.nn.functional.pad(full, (0, 0, 0, piece.unit_shape[0] - full.shape[0]))
                 if tuple(full.shape) != tuple(piece.unit_shape):
                     raise HFError(f"megatron's {unit} is {piece.unit_shape}, the Hugging Face tensors give "
                                   f"{tuple(full.shape)}")

@@ -69,7 +69,7 @@ def parse_args(argv=None, world_size=None):
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    problems = apply_checkpoint_args(args)  # the checkpoint's model flags, before what derives from them
+    problems = apply_checkpoint_args(args, parser, tokens + argv)  # the checkpoint's model flags, before what derives from them
     if problems:
         raise ConfigError("\n".join(f"  - {p}" for p in problems))
     _fill_derived(args)
@@ -94,7 +94,7 @@ def _fill_derived(args):
 
 def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
-    p = parallel_problems(args) + network_problems(args) + moe_problems(args, runs_on_cpu(args))
+    p = parallel_problems(args) + network_problems(args) + moe_problems(args)
     p += attention_problems(args) + training_problems(args) + data_problems(args) + checkpoint_flag_problems(args)
     p += logging_problems(args)
     if (args.load or args.save or args.finetune) and not p:

@@ -124,7 +124,7 @@ def _router_problems(args):
 
 
 
-def moe_problems(args, on_cpu):
+def moe_problems(args):
     p = []
     ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
     if args.num_experts is None:
