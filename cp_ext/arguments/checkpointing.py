@@ -1,5 +1,8 @@
 """Checkpointing flags (Megatron-LM's spelling): save, load, resume and fine-tune."""
 
+import os
+import sys
+
 from cp_ext.flag_types import POSITIVE
 
 
@@ -58,9 +61,10 @@ def model_args(args):
     return {dest: getattr(args, dest) for dest in sorted(dests - NOT_MODEL_ARGS) if hasattr(args, dest)}
 
 
-def apply_checkpoint_args(args):
+def apply_checkpoint_args(args, parser, tokens):
     """--use-checkpoint-args: the --load checkpoint's model flags onto ``args`` (before the derived
-    defaults are filled); the problems, if it cannot."""
+    defaults are filled); the problems, if it cannot. ``tokens``: the run's flags. A value the command line gave that the checkpoint
+    overrides is said once, on rank 0 (Megatron-LM's flag overrides silently)."""
     if not args.use_checkpoint_args:
         return []
     if not args.load:
@@ -73,6 +77,13 @@ def apply_checkpoint_args(args):
     if not model:
         return [f"--use-checkpoint-args: --load {args.load} holds no checkpoint with its model flags (meta.json); "
                 f"give the model flags (or --config FILE.yaml) instead"]
+    actions = parser._option_string_actions  # the flags this run gave (command line and --config YAML)
+    given = {actions[t.split("=", 1)[0]].dest for t in tokens if t.split("=", 1)[0] in actions}
+    overridden = [f"{name} {getattr(args, name)!r} -> {value!r}" for name, value in model.items()
+                  if name in given and getattr(args, name) != value]
+    if overridden and os.environ.get("RANK", "0") == "0":
+        print(f"note: --use-checkpoint-args: the checkpoint's model flags override the command line's: "
+              f"{', '.join(overridden)}", file=sys.stderr)
     for name, value in model.items():
         setattr(args, name, value)
     return []

@@ -215,3 +215,14 @@ def test_trained_at_cp4_then_exported_scores_as_cp_ext_does(converted, tmp_path)
     ours = torch.tensor(record["prompt_logprobs"][1:])
     assert (ours - theirs).abs().max() <= 1e-4, (ours - theirs).abs().max()
     assert (theirs - before).abs().max() > 1e-3, "training changed nothing the export carries"
+
+
+def test_checkpoint_args_override_the_command_line_and_say_so(converted, tmp_path):
+    """Megatron-LM's meaning: the checkpoint's model flags win; a model flag given too is named, once."""
+    _, ckpt, _ = converted["mixtral"]
+    proc = run_script(2, GENERATE, "--load", ckpt, "--use-checkpoint-args", "--hidden-size", "64", "--seq-length", "64",
+                      "--context-parallel-size", "2", "--prompt", PROMPT, "--max-new-tokens", "1", "--logprobs",
+                      "--output", tmp_path / "o.jsonl")
+    said = proc.stdout + proc.stderr
+    assert said.count("note: --use-checkpoint-args") == 1 and "hidden_size 64 -> 32" in said, said[-3000:]
+    assert json.loads((tmp_path / "o.jsonl").read_text())["prompt_tokens"] == len(PROMPT)
