@@ -527,15 +527,18 @@ shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 def yarn(*flags):
     args = parse_args(shape + list(flags), world_size=1)
     inner = build_model(transformer_config_from_args(args), args, 384).rotary_pos_emb.inner
-    return type(inner).__name__, inner.scaling_factor, inner.original_max_position_embeddings, inner.beta_fast, inner.mscale
+    return (type(inner).__name__, inner.scaling_factor, inner.original_max_position_embeddings, inner.beta_fast,
+            inner.mscale, inner.beta_slow, inner.mscale_all_dim, inner.correction_range_round_to_int)
 print(yarn("--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "32", "--yarn-beta-fast", "16",
-           "--mscale", "0.8"))
+           "--mscale", "0.8", "--yarn-beta-slow", "2", "--mscale-all-dim", "0.5",
+           "--no-yarn-correction-range-round-to-int"))
 print(yarn())
 print(yarn("--enable-gpt-oss"))
 """
     lines = run_code(code).stdout.strip().splitlines()[-3:]
-    assert lines == ["('YarnRotaryEmbedding', 4.0, 32, 16.0, 0.8)", "('YarnRotaryEmbedding', 1.0, 4096, 32.0, 1.0)",
-                     "('YarnRotaryEmbedding', 32.0, 131072, 32.0, 1.0)"], lines
+    assert lines == ["('YarnRotaryEmbedding', 4.0, 32, 16.0, 0.8, 2.0, 0.5, False)",
+                     "('YarnRotaryEmbedding', 1.0, 4096, 32.0, 1.0, 1.0, 0.0, True)",
+                     "('YarnRotaryEmbedding', 32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)"], lines
 
 
 @pytest.mark.quick

@@ -94,6 +94,9 @@ CASES = {
     # flags that do not exist, and devices that are not there
     "unknown-flag": (["--num-layer", "4"], None, ["unrecognized arguments: --num-layer"]),
     "device-cuda-without-cuda": (["--device", "cuda"], None, ["--device cuda", "--device cpu"]),
+    # found once the tokenizer's vocabulary is known (the embedded corpus: 257 bytes)
+    "padded-vocab-below-vocab": (["--padded-vocab-size", "128"], None,
+                                 ["--padded-vocab-size 128 is below the vocabulary's 257 tokens"]),
     # a checkpoint the run cannot continue
     "train-iters-below-checkpoint": (["--train-iters", "3", "--load", "{ckpt}"], None,
                                      ["--train-iters 3 is below the checkpoint's iteration 5", "--finetune"]),
