@@ -570,3 +570,16 @@ for flags in ([], ["--rotary-percent", "0.5"], ["--rotary-base", "500000"], ["--
     assert base_500k[1] < base[1] and scaled[1] < base[1]  # a larger base, Llama 3's scaling: lower frequencies
     assert interpolated[2] == 4 and base[2] is None
     assert interleaved[3] is True and base[3] is False
+
+
+@pytest.mark.quick
+def test_implementation_flags_are_named_on_the_startup_line():
+    """Flags naming an implementation that does not run here are accepted, and the note says what runs."""
+    from cp_ext.arguments.implementations import implementation_note
+
+    args = parse_args(MOE + ["--moe-grouped-gemm", "--use-flash-attn", "--multi-latent-attention", "--kv-channels",
+                             "16", "--no-rope-fusion", "--use-mcore-models"], world_size=1)
+    note = implementation_note(args, on_cpu=True)
+    assert "experts: SequentialMLP (--moe-grouped-gemm" in note
+    assert "--use-flash-attn: no flash kernel on CPU" in note and "--kv-channels 16 is not read by MLA" in note
+    assert implementation_note(parse_args(MOE, world_size=1), on_cpu=True) == ""
