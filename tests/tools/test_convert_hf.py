@@ -18,6 +18,7 @@ import struct
 import pytest
 
 from tests.launch import REPO_ROOT, run_script
+from tests.tools.hf_models import SHARDS, tiny_hf
 
 TOOL, GENERATE = REPO_ROOT / "tools" / "convert_hf.py", REPO_ROOT / "tools" / "generate.py"
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."  # 62 bytes: a tail past CP2's split
@@ -31,37 +32,13 @@ GRIDS = {"cp1": (1, []), "cp2_ring": (2, ["--context-parallel-size", "2"]),
          "cp2_ring_checkpoint_args": (2, ["--context-parallel-size", "2", "--use-checkpoint-args"])}
 
 
-def _tiny(family):
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    if family == "qwen3_moe":
-        config = Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-                                max_position_embeddings=128, tie_word_embeddings=False)
-        model_class = Qwen3MoeForCausalLM
-    else:
-        config = MixtralConfig(vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                               num_experts_per_tok=2, max_position_embeddings=128)
-        model_class = MixtralForCausalLM
-    torch.manual_seed(3)
-    model = model_class(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """{family: (hf dir, checkpoint dir, transformers model)}: one sharded save, one single-file save."""
     root = tmp_path_factory.mktemp("convert_hf")
     out = {}
-    for family, shard in (("qwen3_moe", "40KB"), ("mixtral", None)):
-        model = _tiny(family)
+    for family, shard in SHARDS.items():
+        model = tiny_hf(family)
         hf = root / f"{family}_hf"
         model.save_pretrained(hf, **({"max_shard_size": shard} if shard else {}))
         ckpt = root / f"{family}_ckpt"
@@ -73,7 +50,7 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", SHARDS)
 def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
     import torch
 
@@ -160,7 +137,7 @@ def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
         assert text in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", SHARDS)
 def test_export_gives_every_tensor_back_bit_for_bit(converted, family, tmp_path):
     """HF -> cp_ext -> HF: the same names, dtypes and bits, in shards with an index that transformers'
     from_pretrained loads with no missing or unexpected key."""
