@@ -58,20 +58,25 @@ class Adapter:
         self.hidden = config["hidden_size"]
         self.head_dim = config.get("head_dim") or self.hidden // self.heads
 
-    def common_flags(self):
+    def model_flags(self):
+        """What every family's config.json says the same way: sizes, norms, SwiGLU, RoPE, vocabulary, ties."""
         c = self.c
         flags = ["--num-layers", c["num_hidden_layers"], "--hidden-size", self.hidden,
-                 "--num-attention-heads", self.heads, "--kv-channels", self.head_dim,
                  "--ffn-hidden-size", c["intermediate_size"], "--normalization", "RMSNorm",
                  "--norm-epsilon", c.get("rms_norm_eps", 1e-6), "--swiglu", "--disable-bias-linear",
                  "--position-embedding-type", "rope", "--rotary-base", rope_theta(c),
                  "--max-position-embeddings", c["max_position_embeddings"],
                  "--vocab-size", c["vocab_size"], "--padded-vocab-size", c["vocab_size"]]
-        if self.groups != self.heads:
-            flags += ["--group-query-attention", "--num-query-groups", self.groups]
         if not c.get("tie_word_embeddings", False):
             flags.append("--untie-embeddings-and-output-weights")
-        if c.get("attention_bias"):
+        return flags
+
+    def common_flags(self):
+        """`model_flags` and grouped-query attention's heads."""
+        flags = self.model_flags() + ["--num-attention-heads", self.heads, "--kv-channels", self.head_dim]
+        if self.groups != self.heads:
+            flags += ["--group-query-attention", "--num-query-groups", self.groups]
+        if self.c.get("attention_bias"):
             flags.append("--add-qkv-bias")
         return flags
 
@@ -156,3 +161,16 @@ class Adapter:
         import torch
 
         return torch.cat([self._get(hf, gate, (rows, self.hidden)), self._get(hf, up, (rows, self.hidden))])
+
+    def swiglu_unit(self, hf, at, fc, rows):
+        """A Llama-style MLP at HF prefix ``at``: megatron's linear_fc1 is [gate_proj; up_proj], fc2 down_proj."""
+        if fc == "linear_fc1.weight":
+            return self.gated(hf, at + "gate_proj.weight", at + "up_proj.weight", rows)
+        return self._get(hf, at + "down_proj.weight", (self.hidden, rows))
+
+    @staticmethod
+    def swiglu_split(at, fc, full):
+        if fc == "linear_fc1.weight":
+            gate, up = full.chunk(2)
+            return {at + "gate_proj.weight": gate, at + "up_proj.weight": up}
+        return {at + "down_proj.weight": full}

@@ -2,6 +2,7 @@
 they share is `cp_ext.hf.adapter.Adapter`."""
 
 from cp_ext.hf.adapter import Adapter
+from cp_ext.hf.deepseek_v3 import DeepseekV3
 from cp_ext.hf.reader import HFError
 
 
@@ -91,7 +92,7 @@ class Mixtral(Adapter):
         raise HFError(f"megatron's decoder.layers.{name} has no Hugging Face tensor in Mixtral")
 
 
-ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral}
+ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3}
 
 
 def adapter_for(config, where):

@@ -1,29 +1,57 @@
 """Small random Hugging Face models, built with transformers' own config classes (no hub), one per
-family that tools/convert_hf.py imports; their norms are perturbed so a dropped norm shows.
-`SHARDS`: how each is saved (sharded with an index at that size, or one file)."""
+family that tools/convert_hf.py imports; their norms (and routing biases) are perturbed so a dropped
+one shows. `SHARDS`: how each is saved (sharded with an index at that size, or one file)."""
 
-SHARDS = {"qwen3_moe": "40KB", "mixtral": None}
+SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek_v3_no_q_lora": None}
+
+
+def _config(family):
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                              max_position_embeddings=128, tie_word_embeddings=False)
+    if family == "mixtral":
+        return MixtralConfig(vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                             num_experts_per_tok=2, max_position_embeddings=128)
+    if family == "deepseek_v3":
+        # DeepSeek-V3's shape in miniature: q-LoRA, interleaved RoPE rows with YaRN (factor 40 over 4096
+        # positions, mscale 1/1), one dense layer first, a shared expert, 8 experts in 2 groups of which each
+        # token may use 1 (ranked by the top-2 sum), top-2 renormalized and scaled by 2.5.
+        return DeepseekV3Config(
+            vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5, rope_interleave=True,
+            max_position_embeddings=163840, rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
+                                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                          "beta_fast": 32, "beta_slow": 1})
+    # DeepSeek-V2-Lite's attention: no q-LoRA, plain RoPE, rows not interleaved; top-1 of 4, not renormalized
+    return DeepseekV3Config(
+        vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=1, n_group=1,
+        topk_group=1, n_shared_experts=2, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, norm_topk_prob=False, rope_interleave=False,
+        max_position_embeddings=128, routed_scaling_factor=1.0)
 
 
 def tiny_hf(family):
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if family == "qwen3_moe":
-        config = Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-                                max_position_embeddings=128, tie_word_embeddings=False)
-        model_class = Qwen3MoeForCausalLM
-    else:
-        config = MixtralConfig(vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                               num_experts_per_tok=2, max_position_embeddings=128)
-        model_class = MixtralForCausalLM
+    config = _config(family)
+    # 5x transformers' init: attention logits of order 1, not 0.01, so that a wrong query or key row (a RoPE
+    # permutation, a head order) moves the log-probs by far more than the 1e-4 the tests allow
+    config.initializer_range = 0.1
     torch.manual_seed(3)
-    model = model_class(config).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("e_score_correction_bias"):  # zero at init: a dropped bias would not show
+                p.copy_(torch.randn_like(p) * 0.3)
     return model

@@ -127,8 +127,12 @@ def _truncate(hf):
      ["model.safetensors.index.json names the shard", "which is not in"]),
     ("mixtral", _config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      ["rope type 'yarn' cannot be expressed"]),
+    ("deepseek_v3_no_q_lora", _config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                           "original_max_position_embeddings": 32}),
+     ["rope_parameters original_max_position_embeddings 32", "with original_max_position_embeddings 4096 only"]),
+    ("deepseek_v3", _config("num_experts_per_tok", 3), ["num_experts_per_tok 3 / topk_group 1 != 2", "top-2"]),
 ], ids=["architecture", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
-        "rope-type"])
+        "rope-type", "mla-yarn", "group-ranking"])
 def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     proc = _edited(converted, tmp_path, family, edit)
     assert proc.returncode == 2, proc.stderr[-3000:]
