@@ -1,15 +1,20 @@
-"""Quantized Hugging Face releases, dequantized (cp_ext/hf/quantized.py).
+"""Quantized Hugging Face releases read as their unquantized twins (cp_ext/hf/quantized.py, cp_ext/hf/reader.py).
 
 DeepSeek-V3's block-scaled FP8 and GPT-OSS's MXFP4 experts: our dequantization equals transformers' own bit for bit
 (`_dequantize_fp8_weight`, `Fp8Dequantize`, `convert_moe_packed_tensors`, `Mxfp4Dequantize` into a GptOss model's
-parameters), blocks whose scales differ by powers of two pin the tiling and the transpose, and the quantizers
-round-trip within FP8 / FP4 precision.
+parameters), blocks whose scales differ by powers of two pin the tiling and the transpose, the quantizers round-trip
+within FP8 / FP4 precision, and an HF directory (sharded with a partner in another shard, or one file) shows logical
+names only and dequantizes on `get`. Bad inputs are an HFError naming config.json or the tensor.
 """
+
+import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from cp_ext.hf import quantized as q
+from cp_ext.hf.reader import HFCheckpoint, HFError
 
 FP8_SHAPES = [(256, 384), (200, 300), (3, 130, 129)]  # multiples of 128 and not (partial edge blocks), a stack
 MX_SHAPES = [(2, 64, 40), (3, 96, 45), (1, 32, 7)]  # [E, K, rows]: K a multiple of 32 (the format's), rows not
@@ -175,3 +180,140 @@ def test_mxfp4_matches_transformers_bit_for_bit():
                                                full_layer_name=f"model.layers.0.mlp.experts.{proj}")
         theirs = theirs[f"model.layers.0.mlp.experts.{proj}"]
         assert theirs.shape == param.shape and torch.equal(theirs, w) and torch.equal(q.dequantize_mxfp4(b, s), w)
+
+
+# --- HFCheckpoint ----------------------------------------------------------------------------------------------------
+
+def write_hf(path, tensors, quantization_config=None, shards=None):
+    """An HF directory: one model.safetensors, or ``shards`` {file: [names]} with an index."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["X"]}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    if shards is None:
+        save_file(tensors, path / "model.safetensors")
+        return path
+    for file, names in shards.items():
+        save_file({n: tensors[n] for n in names}, path / file)
+    weight_map = {n: file for file, names in shards.items() for n in names}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+QA, O = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.o_proj.weight"
+
+
+def fp8_tensors():
+    torch.manual_seed(0)
+    t = {"model.norm.weight": torch.randn(300).bfloat16(), "model.embed_tokens.weight": torch.randn(10, 300).bfloat16()}
+    for name, shape in ((QA, (200, 300)), (O, (300, 256))):
+        t[name], t[name + "_scale_inv"] = q.quantize_fp8_blocks(torch.randn(shape) * torch.logspace(-2, 2, shape[-1]))
+    return t
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_fp8_checkpoint_reads_dequantized(tmp_path, sharded):
+    t = fp8_tensors()
+    shards = {"model-00001-of-00002.safetensors": [QA, O, O + "_scale_inv", "model.norm.weight"],
+              "model-00002-of-00002.safetensors": [QA + "_scale_inv", "model.embed_tokens.weight"]}
+    hf = HFCheckpoint(write_hf(tmp_path, t, FP8_CONFIG, shards if sharded else None))
+    assert hf.quantization == "fp8"
+    assert hf.names() == {QA, O, "model.norm.weight", "model.embed_tokens.weight"}
+    for name in (QA, O):
+        got = hf.get(name, t[name].shape)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, t[name].float() * spread(t[name + "_scale_inv"], t[name].shape))
+        assert len(hf._open) == 1  # one shard open at a time, though QA's scale lives in the other shard
+    assert torch.equal(hf.get("model.norm.weight", (300,)), t["model.norm.weight"].float())
+    with pytest.raises(HFError, match=rf"tensor {QA} \(dequantized from {QA} and {QA}_scale_inv\) has shape "
+                                      rf"\(200, 300\), config.json implies \(300, 200\)"):
+        hf.get(QA, (300, 200))
+    with pytest.raises(HFError, match=f"tensor {QA}_scale_inv is missing"):
+        hf.get(QA + "_scale_inv")
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_mxfp4_checkpoint_reads_dequantized(tmp_path, sharded):
+    at = "model.layers.0.mlp.experts."
+    torch.manual_seed(0)
+    w = {p: q.dequantize_mxfp4(*q.quantize_mxfp4(torch.randn(s))) for p, s in
+         (("gate_up_proj", (4, 64, 192)), ("down_proj", (4, 96, 64)))}
+    t = {at + "gate_up_proj_bias": torch.randn(4, 192).bfloat16(), "model.layers.0.mlp.router.weight": torch.randn(4, 64)}
+    for p in w:
+        t[at + p + "_blocks"], t[at + p + "_scales"] = q.quantize_mxfp4(w[p])
+    shards = {"a.safetensors": [at + "gate_up_proj_blocks", at + "down_proj_blocks", at + "down_proj_scales"],
+              "b.safetensors": [at + "gate_up_proj_scales", at + "gate_up_proj_bias", "model.layers.0.mlp.router.weight"]}
+    hf = HFCheckpoint(write_hf(tmp_path, t, {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
+                               shards if sharded else None))
+    assert hf.quantization == "mxfp4"
+    assert hf.names() == {at + "gate_up_proj", at + "down_proj", at + "gate_up_proj_bias",
+                          "model.layers.0.mlp.router.weight"}
+    assert torch.equal(hf.get(at + "gate_up_proj", (4, 64, 192)), w["gate_up_proj"])
+    assert torch.equal(hf.get(at + "down_proj", (4, 96, 64)), w["down_proj"])
+    assert len(hf._open) == 1
+    with pytest.raises(HFError, match=r"down_proj \(dequantized from .*down_proj_blocks and .*down_proj_scales\) has "
+                                      r"shape \(4, 96, 64\), config.json implies \(4, 64, 96\)"):
+        hf.get(at + "down_proj", (4, 64, 96))
+
+
+def test_unquantized_checkpoint_keeps_its_names(tmp_path):
+    """Without quantization_config, names ending in _scales or _scale_inv are tensors like any other."""
+    t = {"a.layer_scales": torch.ones(3), "b.weight": torch.ones(2, 2), "b.weight_scale_inv": torch.ones(1, 1)}
+    hf = HFCheckpoint(write_hf(tmp_path, t))
+    assert hf.quantization is None and hf.names() == set(t)
+    assert torch.equal(hf.get("b.weight", (2, 2)), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", None])
+def test_unsupported_quant_method(tmp_path, method):
+    qc = {"bits": 4} if method is None else {"quant_method": method, "bits": 4}
+    write_hf(tmp_path, {"w": torch.ones(2)}, qc)
+    with pytest.raises(HFError, match=rf"config.json: quantization_config's quant_method {method!r} is not "
+                                      rf"supported; supported: 'fp8' \(block-scaled FP8.*'mxfp4' \(MXFP4"):
+        HFCheckpoint(tmp_path)
+
+
+def test_bad_quantized_tensors(tmp_path):
+    t = fp8_tensors()
+    # an FP8 weight without its scales
+    write_hf(tmp_path / "a", {QA: t[QA]}, FP8_CONFIG)
+    with pytest.raises(HFError, match=rf"model.safetensors: tensor {QA} is stored in float8_e4m3fn, but there is no "
+                                      rf"{QA}_scale_inv"):
+        HFCheckpoint(tmp_path / "a").get(QA)
+    # ... nor in a checkpoint whose config does not say fp8
+    write_hf(tmp_path / "b", {QA: t[QA]})
+    with pytest.raises(HFError, match=rf"{QA} is stored in float8_e4m3fn.*quant_method is None"):
+        HFCheckpoint(tmp_path / "b").get(QA)
+    # scales without their weight
+    write_hf(tmp_path / "c", {QA + "_scale_inv": t[QA + "_scale_inv"]}, FP8_CONFIG)
+    with pytest.raises(HFError, match=rf"tensor {QA}_scale_inv scales {QA}, which the checkpoint lacks"):
+        HFCheckpoint(tmp_path / "c")
+    # a scale grid that does not fit: the other weight's
+    write_hf(tmp_path / "d", {QA: t[QA], QA + "_scale_inv": t[O + "_scale_inv"]}, FP8_CONFIG)
+    with pytest.raises(HFError, match=rf"tensor {QA}_scale_inv does not fit {QA}: .*needs scales \(2, 3\), not "
+                                      rf"\(3, 2\)"):
+        HFCheckpoint(tmp_path / "d").get(QA)
+    # a scaled weight that is not FP8
+    write_hf(tmp_path / "e", {QA: t[QA].float(), QA + "_scale_inv": t[QA + "_scale_inv"]}, FP8_CONFIG)
+    with pytest.raises(HFError, match=rf"tensor {QA} is stored in torch.float32; fp8 stores it in "
+                                      rf"torch.float8_e4m3fn"):
+        HFCheckpoint(tmp_path / "e").get(QA)
+    # MXFP4: blocks without scales, scales without blocks
+    blocks, scales = q.quantize_mxfp4(torch.ones(1, 32, 2))
+    for d, tensors, have, missing in (("f", {"e.gate_up_proj_blocks": blocks}, "_blocks", "_scales"),
+                                      ("g", {"e.gate_up_proj_scales": scales}, "_scales", "_blocks")):
+        write_hf(tmp_path / d, tensors, {"quant_method": "mxfp4"})
+        with pytest.raises(HFError, match=rf"model.safetensors: tensor e.gate_up_proj{have} has no "
+                                          rf"e.gate_up_proj{missing} \(MXFP4 stores e.gate_up_proj as"):
+            HFCheckpoint(tmp_path / d)
+    write_hf(tmp_path / "h", {"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales[..., :0]},
+             {"quant_method": "mxfp4"})
+    with pytest.raises(HFError, match=r"tensor e.gate_up_proj_scales does not fit e.gate_up_proj_blocks: blocks "
+                                      r"\(1, 2, 1, 16\) need scales"):
+        HFCheckpoint(tmp_path / "h").get("e.gate_up_proj")
+    write_hf(tmp_path / "i", {QA: t[QA], QA + "_scale_inv": t[QA + "_scale_inv"]},
+             {"quant_method": "fp8", "weight_block_size": [128]})
+    with pytest.raises(HFError, match=r"config.json: quantization_config's weight_block_size \[128\] is not two"):
+        HFCheckpoint(tmp_path / "i")
