@@ -1,9 +1,16 @@
-"""A Hugging Face model directory, read lazily: ``config.json`` and its safetensors tensors by name."""
+"""A Hugging Face model directory, read lazily: ``config.json`` and its safetensors tensors by name.
+
+A quantized release (config.json's ``quantization_config``: `cp_ext.hf.quantized.METHODS`) reads as its unquantized
+twin: `HFCheckpoint.names` gives the logical names (``X`` for ``X`` + ``X_scale_inv``, ``Y`` for ``Y_blocks`` +
+``Y_scales``) and `HFCheckpoint.get` dequantizes, so an adapter never knows.
+"""
 
 import json
 from pathlib import Path
 
 import torch
+
+from cp_ext.hf import quantized as q
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -23,8 +30,50 @@ class HFCheckpoint:
             self.config = json.loads(config.read_text())
         except json.JSONDecodeError as e:
             raise HFError(f"{config}: not JSON ({e})") from None
-        self.files = self._files()
+        self.quantization, self.block = self._quantization(config)  # config: the path, for messages
+        self.files = self._files()  # stored names
         self._open = {}
+        self.parts = self._logical()  # {logical name: the stored names it is read from}
+
+    def _quantization(self, config):
+        """(quant_method or None, fp8's weight_block_size or None)."""
+        qc = self.config.get("quantization_config")
+        if qc is None:
+            return None, None
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method not in q.METHODS:
+            supported = ", ".join(f"{m!r} ({what})" for m, what in q.METHODS.items())
+            raise HFError(f"{config}: quantization_config's quant_method {method!r} is not supported; supported: "
+                          f"{supported}")
+        if method == "mxfp4":
+            return method, None
+        block = qc.get("weight_block_size", [128, 128])  # transformers' FineGrainedFP8Config default; null: per tensor
+        if block is not None and not (isinstance(block, list) and len(block) == 2
+                                      and all(isinstance(b, int) and b > 0 for b in block)):
+            raise HFError(f"{config}: quantization_config's weight_block_size {block!r} is not two positive integers")
+        return method, tuple(block) if block else None
+
+    def _logical(self):
+        """Each logical tensor's stored names: (X,) as stored; (X, X_scale_inv) FP8; (Y_blocks, Y_scales) MXFP4.
+        Only the method config.json names pairs tensors up: elsewhere a name ending in _scales is just a name."""
+        stored, parts = set(self.files), {}
+        for name in sorted(stored):
+            if self.quantization == "fp8" and name.endswith(q.SCALE_INV):
+                base = name[:-len(q.SCALE_INV)]
+                if base not in stored:
+                    raise HFError(f"{self.files[name]}: tensor {name} scales {base}, which the checkpoint lacks")
+                parts[base] = (base, name)
+            for have, other in ((q.BLOCKS, q.SCALES), (q.SCALES, q.BLOCKS)):
+                if self.quantization == "mxfp4" and name.endswith(have):
+                    base = name[:-len(have)]
+                    if base + other not in stored:
+                        raise HFError(f"{self.files[name]}: tensor {name} has no {base + other} (MXFP4 stores {base} "
+                                      f"as {base + q.BLOCKS} and {base + q.SCALES})")
+                    if base in stored:
+                        raise HFError(f"--hf-dir {self.dir}: both {base} and its MXFP4 {base + have} are stored")
+                    parts[base] = (base + q.BLOCKS, base + q.SCALES)
+        partners = {p for pair in parts.values() for p in pair}
+        return {**{name: (name,) for name in stored - partners}, **parts}
 
     def _files(self):
         """{tensor name: the safetensors file holding it}."""
@@ -47,24 +96,51 @@ class HFCheckpoint:
             raise HFError(f"{single}: not a readable safetensors file: corrupt or truncated ({type(e).__name__}: {e})") from None
 
     def names(self):
-        return set(self.files)
+        """The logical tensor names: a quantized tensor's partners are hidden behind it."""
+        return set(self.parts)
 
     def get(self, name, shape=None) -> torch.Tensor:
-        """The tensor ``name`` in fp32; ``shape``: what config.json implies it must be."""
+        """The tensor ``name`` in fp32, dequantized if stored quantized; ``shape``: what config.json implies it
+        must be (checked on the dequantized tensor)."""
+        if name not in self.parts:
+            raise HFError(f"--hf-dir {self.dir}: tensor {name} is missing (the mapping needs it)")
+        parts = self.parts[name]
+        path = self.files[parts[0]]
+        tensors = [self._read(p) for p in parts]  # each read opens its shard: a partner may live in another one
+        if len(parts) == 1:
+            tensor, how = tensors[0], ""
+            if tensor.dtype == q.FP8:
+                raise HFError(f"{path}: tensor {name} is stored in float8_e4m3fn, but there is no "
+                              f"{name + q.SCALE_INV} to scale it by" + ("" if self.quantization == "fp8" else
+                              f" (and config.json's quant_method is {self.quantization}, not 'fp8')"))
+        else:
+            how = f" (dequantized from {' and '.join(parts)})"
+            want = (q.FP8, None) if self.quantization == "fp8" else (torch.uint8, torch.uint8)
+            for part, t, dtype in zip(parts, tensors, want):
+                if dtype is not None and t.dtype != dtype:
+                    raise HFError(f"{self.files[part]}: tensor {part} is stored in {t.dtype}; {self.quantization} "
+                                  f"stores it in {dtype}")
+            try:
+                if self.quantization == "fp8":
+                    tensor = q.dequantize_fp8_blocks(*tensors, self.block)
+                else:
+                    tensor = q.dequantize_mxfp4(*tensors)
+            except ValueError as e:
+                raise HFError(f"{self.files[parts[1]]}: tensor {parts[1]} does not fit {parts[0]}: {e}") from None
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise HFError(f"{path}: tensor {name}{how} has shape {tuple(tensor.shape)}, config.json implies "
+                          f"{tuple(shape)}")
+        return tensor.float()
+
+    def _read(self, name):
+        """The stored tensor ``name`` as stored."""
         from safetensors import safe_open
 
-        if name not in self.files:
-            raise HFError(f"--hf-dir {self.dir}: tensor {name} is missing (the mapping needs it)")
         path = self.files[name]
         try:
             if path not in self._open:
                 self._open = {path: safe_open(path, "pt")}  # one shard open at a time
-            tensor = self._open[path].get_tensor(name)
-        except HFError:
-            raise
+            return self._open[path].get_tensor(name)
         except Exception as e:
             raise HFError(f"{path}: tensor {name} cannot be read ({type(e).__name__}: {e}); the file is corrupt "
                           f"or truncated") from None
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise HFError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}")
-        return tensor.float()
