@@ -18,6 +18,7 @@ gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -49,46 +50,134 @@ def yaml_lines(flags):
     return lines
 
 
-def import_checkpoint(hf_dir, save):
+def _fresh(path, flag):
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise HFError(f"{flag} {path} exists and is not empty; give a new directory (nothing is overwritten)")
+    return path
+
+
+def _staging(final):
+    """Everything is written beside ``final`` and renamed into place at the end: a failed or killed
+    conversion leaves nothing behind under ``final`` (only this ``.partial`` directory, removed on error)."""
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp, final):
+    if final.exists():
+        final.rmdir()  # empty: `_fresh` checked
+    os.replace(tmp, final)
+
+
+def _start(argv_flags, device_flags=("--device", "cpu", "--train-iters", "1")):
+    """Parse pretrain_moe.py's flags and start this rank's process groups (one process without torchrun)."""
+    single_process_without_torchrun()
+    args = parse_args([str(x) for x in argv_flags] + list(device_flags))
+    from cp_ext.platform import setup_platform
+    from cp_ext.training.trainer import initialize_distributed
+
+    initialize_distributed(args, setup_platform("cpu"))
+    return args
+
+
+def _gather(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _check_mapping(hf, adapter, model):
+    """Map every unit this rank holds on headers alone (names and shapes, no data), then check on all ranks
+    together that every HF tensor was used: all before anything is written."""
+    from cp_ext.models.layout import _flatten
+
+    shapes, problem = hf.shapes_only(), None
+    try:
+        for t in _flatten(model.sharded_state_dict()):
+            p = t.prepend_axis_num
+            for offsets in _offsets(t.global_shape[:p]) if p else [()]:
+                unit, want = ".".join(map(str, (t.key, *offsets))), tuple(t.global_shape[p:])
+                got = tuple(adapter.unit(shapes, unit).shape)
+                if got != want:
+                    raise HFError(f"megatron's {unit} is {want}, the Hugging Face tensors give {got}")
+    except HFError as e:
+        problem = str(e)
+    results = _gather((problem, sorted(adapter.used)))
+    problems = [p for p, _ in results if p]
+    if problems:
+        raise HFError(problems[0])
+    used = set().union(*(set(u) for _, u in results))
+    left = sorted(hf.names() - used - adapter.unused_by_design(hf.names()))
+    if left:
+        raise HFError(f"--hf-dir {hf.dir}: {len(left)} tensor(s) left over after the mapping, e.g. {left[:3]}")
+    adapter.used = set()
+
+
+def _offsets(stack):
+    return [()] if not stack else [(i, *rest) for i in range(stack[0]) for rest in _offsets(stack[1:])]
+
+
+def import_checkpoint(hf_dir, save, grid_flags=()):
     hf = HFCheckpoint(hf_dir)
     adapter = adapter_for(hf.config, f"{hf.dir / 'config.json'}")
     problems = adapter.problems()
     if problems:
         raise HFError("; ".join(problems))
     flags = [str(x) for x in adapter.flags()]
-    single_process_without_torchrun()
-    args = parse_args(flags + ["--save", str(save), "--device", "cpu", "--train-iters", "1"])
+    save = _fresh(save, "--save")
+    args = _start(flags + list(grid_flags))
 
-    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from cp_ext.models.layout import iter_global_slices
-    from cp_ext.training.trainer import Trainer
+    from cp_ext.hf.streaming import meta_model, save_streaming
+    from cp_ext.training.checkpoint_state import CONTENT_METADATA
+    from cp_ext.training.checkpointing import META, TRACKER, checkpoint_meta, iteration_dir
 
-    trainer = Trainer(args)
-    model = trainer.model[0].module
-    unit, full = None, None
-    with torch.no_grad():
-        for piece in iter_global_slices(model):
-            if piece.unit != unit:
-                unit, full = piece.unit, adapter.unit(hf, piece.unit)
-                if tuple(full.shape) != tuple(piece.unit_shape):
-                    raise HFError(f"megatron's {unit} is {piece.unit_shape}, the Hugging Face tensors give "
-                                  f"{tuple(full.shape)}")
-            piece.local.copy_(full[piece.index].to(piece.local.dtype))
-    left = sorted(hf.names() - adapter.used - adapter.unused_by_design(hf.names()))
-    if left:
-        raise HFError(f"--hf-dir {hf.dir}: {len(left)} tensor(s) left over after the mapping, e.g. {left[:3]}")
-    trainer.checkpointer.save(save)
-    kept = Path(save) / HF_FILES
-    kept.mkdir(exist_ok=True)
-    for name in ("config.json",) + TOKENIZER_FILES:
-        if (hf.dir / name).is_file():
-            shutil.copy(hf.dir / name, kept / name)
-    (Path(save) / MODEL_YAML).write_text(
-        f"# {hf.config['architectures'][0]} from {hf.dir} (tools/convert_hf.py import)\n" + "\n".join(yaml_lines(flags))
-        + "\n")
-    print(f"convert_hf: {hf.config['architectures'][0]} -> {save} (iteration 0); model flags in {Path(save) / MODEL_YAML}")
-    trainer.shutdown()
+    model = meta_model(args)
+    _check_mapping(hf, adapter, model)
+    rank0 = dist.get_rank() == 0
+    tmp = _staging(save) if rank0 else save.with_name(save.name + ".partial")
+    if rank0:
+        iteration_dir(tmp, 0).mkdir()
+    dist.barrier()
+    current = {}  # the unit being written: its full tensor, read once for its chunks on this rank
+
+    def materialize(unit, index):
+        if current.get("unit") != unit:
+            current.update(unit=unit, full=adapter.unit(hf, unit))
+        return current["full"][index]
+
+    try:
+        save_streaming(model, iteration_dir(tmp, 0), materialize, content_metadata=CONTENT_METADATA)
+    except CheckpointException as e:  # torch.distributed.checkpoint gathers every rank's failure
+        failures = [f for f in e.failures.values() if isinstance(f, HFError)] or list(e.failures.values())
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise HFError(str(failures[0]).strip().splitlines()[-1]) from None
+    used = set().union(*map(set, _gather(sorted(adapter.used))))
+    if rank0:
+        meta = checkpoint_meta(args, 0, 0, 0)
+        meta["weights_only"] = f"tools/convert_hf.py import of {hf.dir}"
+        meta["hf_tensors_read"] = len(used)
+        (iteration_dir(tmp, 0) / META).write_text(json.dumps(meta, indent=1))
+        (tmp / TRACKER).write_text("0\n")
+        kept = tmp / HF_FILES
+        kept.mkdir()
+        for name in ("config.json",) + TOKENIZER_FILES:
+            if (hf.dir / name).is_file():
+                shutil.copy(hf.dir / name, kept / name)
+        (tmp / MODEL_YAML).write_text(f"# {hf.config['architectures'][0]} from {hf.dir} (tools/convert_hf.py import)\n"
+                                      + "\n".join(yaml_lines(flags)) + "\n")
+        _publish(tmp, save)
+        print(f"convert_hf: {hf.config['architectures'][0]} -> {save} (weights; start from them with --finetune); "
+              f"model flags in {save / MODEL_YAML}", flush=True)
+    dist.barrier()
 
 
 def _bytes(text):
@@ -101,10 +190,11 @@ def _bytes(text):
 
 def export_checkpoint(load, out, max_shard_bytes, hf_files=None):
     """``hf_files``: the directory with config.json and the tokenizer files (default: what the import kept in
-    the checkpoint; a run that trained on from it saves elsewhere, so name the import's CKPT/hf)."""
-    out, load = Path(out), Path(load)
-    if out.exists() and any(out.iterdir()):
-        raise HFError(f"--hf-dir {out} exists and is not empty; give a new directory (nothing is overwritten)")
+    the checkpoint; a run that trained on from it saves elsewhere, so name the import's CKPT/hf).
+    Streams: one layer's tensors are read from the checkpoint at a time (no model is built) and written
+    into shards of at most ``max_shard_bytes``."""
+    load = Path(load)
+    out = _fresh(out, "--hf-dir")
     kept = Path(hf_files) if hf_files else load / HF_FILES
     config_path = kept / "config.json"
     if not config_path.is_file():
@@ -113,68 +203,78 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None):
                       f"import, give --hf-files IMPORTED_CKPT/{HF_FILES}")
     config = json.loads(config_path.read_text())
     adapter = adapter_for(config, str(config_path))
-    single_process_without_torchrun()
-    args = parse_args(["--load", str(load), "--use-checkpoint-args", "--finetune", "--device", "cpu",
-                       "--train-iters", "1"])
+    args = _start(["--load", load, "--use-checkpoint-args", "--finetune"])
 
     import torch
     from safetensors.torch import save_file
 
-    from cp_ext.models.layout import iter_global_slices
-    from cp_ext.training.trainer import Trainer
+    from cp_ext.hf.streaming import load_units, meta_model
+    from cp_ext.training.checkpointing import iteration_dir, latest_iteration
 
+    quantized = config.pop("quantization_config", None)  # the import dequantized: the export is not quantized
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
-    trainer = Trainer(args)
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = _staging(out)
     shards, pending, pending_bytes, total = [], {}, 0, 0
 
     def flush():
         nonlocal pending, pending_bytes
         if pending:
-            shards.append(pending)
-            save_file(pending, out / f"part-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+            shards.append(sorted(pending))
+            save_file(pending, tmp / f"part-{len(shards):05d}.safetensors", metadata={"format": "pt"})
             pending, pending_bytes = {}, 0
 
-    def write(unit, full):
-        nonlocal pending_bytes, total
-        for name, tensor in adapter.split(unit, full).items():
-            tensor = tensor.to(dtype).contiguous()
-            if pending_bytes + tensor.numel() * tensor.element_size() > max_shard_bytes:
-                flush()
-            pending[name] = tensor
-            pending_bytes += tensor.numel() * tensor.element_size()
-            total += tensor.numel() * tensor.element_size()
+    try:
+        for unit, full in load_units(meta_model(args), iteration_dir(load, latest_iteration(load))):
+            for name, tensor in adapter.split(unit, full).items():
+                tensor = tensor.to(dtype).contiguous()
+                size = tensor.numel() * tensor.element_size()
+                if pending_bytes + size > max_shard_bytes:
+                    flush()
+                pending[name] = tensor
+                pending_bytes += size
+                total += size
+        flush()
+        count, weight_map = len(shards), {}
+        for i, names in enumerate(shards, start=1):  # Hugging Face's names: model-00001-of-00003.safetensors
+            name = f"model-{i:05d}-of-{count:05d}.safetensors"
+            (tmp / f"part-{i:05d}.safetensors").rename(tmp / name)
+            weight_map.update({tensor: name for tensor in names})
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        for name in TOKENIZER_FILES:
+            if (kept / name).is_file():
+                shutil.copy(kept / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, out)
+    note = f" (dequantized: config.json's {quantized.get('quant_method')} quantization_config dropped)" if quantized else ""
+    print(f"convert_hf: {load} -> {out}: {len(weight_map)} tensors in {count} shard(s), {total / 2 ** 20:.1f} MiB{note}",
+          flush=True)
 
-    # One full tensor (one layer's, one expert's) at a time: a unit's pieces come one after another.
-    unit, full = None, None
-    for piece in iter_global_slices(trainer.model[0].module):
-        if piece.unit != unit:
-            if unit is not None:
-                write(unit, full)
-            unit, full = piece.unit, torch.zeros(piece.unit_shape, dtype=piece.local.dtype)
-        full[piece.index] = piece.local.detach()
-    if unit is not None:
-        write(unit, full)
-    flush()
-    count = len(shards)
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):  # Hugging Face's names: model-00001-of-00003.safetensors
-        name = f"model-{i:05d}-of-{count:05d}.safetensors"
-        (out / f"part-{i:05d}.safetensors").rename(out / name)
-        weight_map.update({tensor: name for tensor in shard})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    for name in ("config.json",) + TOKENIZER_FILES:
-        if (kept / name).is_file():
-            shutil.copy(kept / name, out / name)
-    print(f"convert_hf: {load} -> {out}: {len(weight_map)} tensors in {count} shard(s), {total / 2 ** 20:.1f} MiB")
-    trainer.shutdown()
+
+# What an import may be given besides its directories: the grid it runs at under torchrun (each rank then
+# reads only the Hugging Face tensors of the units it holds) and the weights' dtype (default fp32).
+IMPORT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                "--expert-tensor-parallel-size", "--sequence-parallel", "--bf16")
+
+
+def _grid_flags(rest):
+    flags = [t for t in rest if t.startswith("--")]
+    other = [f for f in flags if f.split("=")[0] not in IMPORT_FLAGS]
+    if other or (rest and not rest[0].startswith("--")):
+        raise ConfigError(f"  - convert_hf.py import: {' '.join(other or rest[:1])} is not an import flag; besides "
+                          f"--hf-dir and --save it takes {', '.join(IMPORT_FLAGS)} (the model's flags come from "
+                          f"config.json, training flags go to pretrain_moe.py)")
+    return rest
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="Hugging Face directory -> cp_ext checkpoint + model.yaml")
+    imp = sub.add_parser("import", help="Hugging Face directory -> cp_ext checkpoint + model.yaml (under torchrun "
+                         "at a grid: " + ", ".join(IMPORT_FLAGS) + ")")
     imp.add_argument("--hf-dir", required=True)
     imp.add_argument("--save", required=True)
     exp = sub.add_parser("export", help="cp_ext checkpoint (made by import) -> Hugging Face directory")
@@ -183,10 +283,10 @@ def main(argv=None):
     exp.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors shard (5GB, 500MB, 40KB, ...)")
     exp.add_argument("--hf-files", default=None,
                      help="config.json and tokenizer files (default: --load's hf/, which the import wrote)")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
     try:
         if a.command == "import":
-            import_checkpoint(a.hf_dir, a.save)
+            import_checkpoint(a.hf_dir, a.save, _grid_flags(rest))
         else:
             export_checkpoint(a.load, a.hf_dir, _bytes(a.max_shard_size), a.hf_files)
     except (HFError, ConfigError) as e:

@@ -116,6 +116,7 @@ class DeepseekV3(Adapter):
             return rows
         d = self.rope_dim
         order = torch.stack([torch.arange(d // 2), torch.arange(d // 2, d)], dim=1).flatten()  # 0, d/2, 1, d/2+1, ...
+        order = order.to(rows.device)
         if inverse:
             order = torch.argsort(order)
         return rows[..., order, :]

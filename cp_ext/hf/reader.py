@@ -132,6 +132,26 @@ class HFCheckpoint:
                           f"{tuple(shape)}")
         return tensor.float()
 
+    def shapes_only(self):
+        """This checkpoint, with `get` checking names and shapes from the safetensors headers and returning
+        meta tensors: the whole mapping is checked (missing, left-over, misshapen) before any data is read."""
+        return _ShapesOnly(self)
+
+    def stored_shape(self, name):
+        """The logical (dequantized) shape of ``name``, from the headers alone."""
+        from safetensors import safe_open
+
+        parts = self.parts[name]
+        try:
+            with safe_open(self.files[parts[0]], "pt") as f:
+                shape = tuple(f.get_slice(parts[0]).get_shape())
+        except Exception as e:
+            raise HFError(f"{self.files[parts[0]]}: not a readable safetensors file: corrupt or truncated "
+                          f"({type(e).__name__}: {e})") from None
+        if len(parts) == 2 and self.quantization == "mxfp4":  # blocks [..., rows, G, 16] -> [..., G * 32, rows]
+            shape = (*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3])
+        return shape
+
     def _read(self, name):
         """The stored tensor ``name`` as stored."""
         from safetensors import safe_open
@@ -144,3 +164,21 @@ class HFCheckpoint:
         except Exception as e:
             raise HFError(f"{path}: tensor {name} cannot be read ({type(e).__name__}: {e}); the file is corrupt "
                           f"or truncated") from None
+
+
+class _ShapesOnly:
+    def __init__(self, hf):
+        self.hf, self.dir, self.config = hf, hf.dir, hf.config
+
+    def names(self):
+        return self.hf.names()
+
+    def get(self, name, shape=None):
+        if name not in self.hf.parts:
+            raise HFError(f"--hf-dir {self.dir}: tensor {name} is missing (the mapping needs it)")
+        stored = self.hf.stored_shape(name)
+        if shape is not None and stored != tuple(shape):
+            how = f" (dequantized from {' and '.join(self.hf.parts[name])})" if len(self.hf.parts[name]) == 2 else ""
+            raise HFError(f"{self.hf.files[self.hf.parts[name][0]]}: tensor {name}{how} has shape {stored}, "
+                          f"config.json implies {tuple(shape)}")
+        return torch.empty(stored, device="meta")

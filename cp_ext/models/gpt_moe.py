@@ -125,8 +125,10 @@ class ContextParallelGPTModel(GPTModel):
         return postprocess_with_mtp(self, hidden_states, **kwargs)  # the label / mask shift across CP shards
 
 
-def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None) -> GPTModel:
-    """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid."""
+def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_process=None, post_process=None,
+                initialize=True) -> GPTModel:
+    """This rank's stage of the GPT, initialized from ``args.seed`` independent of the grid (``initialize``;
+    a model built on the meta device for its checkpoint map, `cp_ext.hf.streaming`, skips it)."""
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -151,7 +153,9 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
-    init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std, num_layers=config.num_layers)
+    if initialize:
+        init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std,
+                                      num_layers=config.num_layers)
     return model
 
 

@@ -119,6 +119,10 @@ def layout_problems(root, args):
             return [f"--load {root}: the checkpoint is of another model: {', '.join(changed)}; give the saving "
                     f"run's model flags (its config.yaml in the run's --log-dir lists them)"]
     p = []
+    if saved.get("weights_only") and not args.finetune:
+        # tools/convert_hf.py's import writes weights only: no optimizer state, schedule or data position
+        p.append(f"--load {root}: the checkpoint holds weights only ({saved['weights_only']}); add --finetune to "
+                 f"start from them at iteration 0 (Megatron-LM's meaning)")
     if iteration > args.train_iters and not args.finetune and not args.skip_train:
         p.append(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} (--load {root}): "
                  f"there is nothing left to train; raise --train-iters above {iteration} to train on, or add "

@@ -171,6 +171,19 @@ class _CommonLoadWithout(TorchCommonLoadStrategy):
         return common
 
 
+def checkpoint_meta(args, iteration, consumed_samples, train_samples):
+    """meta.json: what parse-time checks and a loading run need before reading any tensor (also written by
+    tools/convert_hf.py's import, which trains nothing: 0 and 0)."""
+    return {"iteration": iteration, "format": "torch_dist", "world_size": dist.get_world_size(),
+            "grid": {name: getattr(args, name) for name in GRID_FLAGS},
+            "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
+            "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
+            "model": {name: getattr(args, name) for name in MODEL_FLAGS},
+            "model_args": model_args(args),  # what --use-checkpoint-args gives a loading run
+            # the data position, and the length the train dataset's sample order was built for
+            "consumed_samples": consumed_samples, "train_samples": train_samples}
+
+
 class Checkpointer:
     """Saves and loads the trainer's components (`checkpoint_state`) under --save / --load."""
 
@@ -202,16 +215,7 @@ class Checkpointer:
         return self._save_strategy
 
     def meta(self, iteration):
-        """meta.json: what parse-time checks and a loading run need before reading any tensor."""
-        args = self.args
-        return {"iteration": iteration, "format": "torch_dist", "world_size": dist.get_world_size(),
-                "grid": {name: getattr(args, name) for name in GRID_FLAGS},
-                "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
-                "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
-                "model": {name: getattr(args, name) for name in MODEL_FLAGS},
-                "model_args": model_args(args),  # what --use-checkpoint-args gives a loading run
-                # the data position, and the length the train dataset's sample order was built for
-                "consumed_samples": self.trainer.consumed_samples, "train_samples": len(self.trainer.dataset)}
+        return checkpoint_meta(self.args, iteration, self.trainer.consumed_samples, len(self.trainer.dataset))
 
     def save(self, root):
         """Save every component at the trainer's iteration (collective)."""
