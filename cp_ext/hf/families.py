@@ -1,7 +1,9 @@
 """One adapter per Hugging Face architecture (`ARCHITECTURES`): its flags and its MLP's tensors; what
-they share is `cp_ext.hf.adapter.Adapter`."""
+they share is `cp_ext.hf.adapter.Adapter`. GPT-OSS (sinks, windows, stacked biased experts, YaRN) has
+its own module, `cp_ext.hf.gpt_oss`."""
 
 from cp_ext.hf.adapter import Adapter
+from cp_ext.hf.gpt_oss import GptOss
 from cp_ext.hf.reader import HFError
 
 
@@ -91,7 +93,7 @@ class Mixtral(Adapter):
         raise HFError(f"megatron's decoder.layers.{name} has no Hugging Face tensor in Mixtral")
 
 
-ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral}
+ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "GptOssForCausalLM": GptOss}
 
 
 def adapter_for(config, where):
