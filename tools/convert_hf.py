@@ -6,7 +6,7 @@ cp_ext checkpoint that loads at any grid, and the model's flags beside it; ``exp
     torchrun ... pretrain_moe.py --config CKPT/model.yaml --load CKPT --finetune ...   # grid, training flags
     torchrun ... tools/generate.py --config CKPT/model.yaml --load CKPT --prompt ... --logprobs --output o.jsonl
 
-Supported: `cp_ext.hf.families.ARCHITECTURES` (Mixtral, Qwen3-MoE). The model is built on one rank
+Supported: `cp_ext.hf.families.ARCHITECTURES` (Mixtral, Qwen3-MoE, GPT-OSS). The model is built on one rank
 (CP1, TP1) from megatron's own sharded-state-dict map (`cp_ext.models.layout`): every full tensor it
 holds is assembled from Hugging Face's by the family's adapter, each HF tensor must be used, and the
 checkpoint is megatron's dist_checkpointing format, which every grid reshards on load. The import keeps

@@ -63,8 +63,7 @@ class Adapter:
         c = self.c
         flags = ["--num-layers", c["num_hidden_layers"], "--hidden-size", self.hidden,
                  "--ffn-hidden-size", c["intermediate_size"], "--normalization", "RMSNorm",
-                 "--norm-epsilon", c.get("rms_norm_eps", 1e-6), "--swiglu", "--disable-bias-linear",
-                 "--position-embedding-type", "rope", "--rotary-base", rope_theta(c),
+                 "--norm-epsilon", c.get("rms_norm_eps", 1e-6), *self.mlp_flags(), *self.rope_flags(),
                  "--max-position-embeddings", c["max_position_embeddings"],
                  "--vocab-size", c["vocab_size"], "--padded-vocab-size", c["vocab_size"]]
         if not c.get("tie_word_embeddings", False):
@@ -79,6 +78,14 @@ class Adapter:
         if self.c.get("attention_bias"):
             flags.append("--add-qkv-bias")
         return flags
+
+    def mlp_flags(self):
+        """The activation and biases: SwiGLU with no bias (a family with other MLPs overrides it)."""
+        return ["--swiglu", "--disable-bias-linear"]
+
+    def rope_flags(self):
+        """Plain RoPE (`rope_problems` refuses any other rope type; a family that maps one overrides both)."""
+        return ["--position-embedding-type", "rope", "--rotary-base", rope_theta(self.c)]
 
     def problems(self):
         p = rope_problems(self.c)

@@ -1,8 +1,10 @@
 """One adapter per Hugging Face architecture (`ARCHITECTURES`): its flags and its MLP's tensors; what
-they share is `cp_ext.hf.adapter.Adapter`."""
+they share is `cp_ext.hf.adapter.Adapter`. DeepSeek-V3 (MLA, sigmoid groups) and GPT-OSS
+(sinks, windows, stacked biased experts, YaRN) have their own modules, `cp_ext.hf.deepseek_v3` and `cp_ext.hf.gpt_oss`."""
 
 from cp_ext.hf.adapter import Adapter
 from cp_ext.hf.deepseek_v3 import DeepseekV3
+from cp_ext.hf.gpt_oss import GptOss
 from cp_ext.hf.reader import HFError
 
 
@@ -92,7 +94,8 @@ class Mixtral(Adapter):
         raise HFError(f"megatron's decoder.layers.{name} has no Hugging Face tensor in Mixtral")
 
 
-ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3}
+ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3,
+                 "GptOssForCausalLM": GptOss}
 
 
 def adapter_for(config, where):

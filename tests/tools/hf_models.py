@@ -2,11 +2,12 @@
 family that tools/convert_hf.py imports; their norms (and routing biases) are perturbed so a dropped
 one shows. `SHARDS`: how each is saved (sharded with an index at that size, or one file)."""
 
-SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek_v3_no_q_lora": None}
+SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek_v3_no_q_lora": None,
+          "gpt_oss": "40KB"}
 
 
 def _config(family):
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -29,6 +30,18 @@ def _config(family):
             max_position_embeddings=163840, rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
                                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                                                           "beta_fast": 32, "beta_slow": 1})
+    if family == "gpt_oss":
+        # GPT-OSS's release shape at toy size: alternating sliding (8 keys, so a 62-token prompt passes it) and
+        # full layers, the release's YaRN (factor 32 from 4096 positions, beta 32/1, truncate false; head dim 8
+        # puts the ramp across the frequencies), biases and sinks; a clamp of 1.0 (not 7) so that it bites
+        yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+        return GptOssConfig(vocab_size=384, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=8, max_position_embeddings=32 * 4096,
+                            rope_parameters=yarn, swiglu_limit=1.0,
+                            # transformers' readable eager paths (the sinks need eager attention on CPU)
+                            attn_implementation="eager", experts_implementation="eager")
     # DeepSeek-V2-Lite's attention: no q-LoRA, plain RoPE, rows not interleaved; top-1 of 4, not renormalized
     return DeepseekV3Config(
         vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -54,4 +67,8 @@ def tiny_hf(family):
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith("e_score_correction_bias"):  # zero at init: a dropped bias would not show
                 p.copy_(torch.randn_like(p) * 0.3)
+            elif family == "gpt_oss" and name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))  # order 1 against the scores: the sink takes a real share
+            elif family == "gpt_oss" and "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
     return model

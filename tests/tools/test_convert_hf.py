@@ -1,14 +1,19 @@
 """tools/convert_hf.py import and export, checked token by token against transformers' own model code.
 
-Small random models are built with transformers' config classes (no hub): a Qwen3-MoE (q/k norms,
-GQA with its own head dim, a dense first layer, normalized top-k routing), saved sharded with an
-index, and a Mixtral (GQA, softmax top-2), saved as one file; their norms are perturbed so a
-dropped norm shows. Each is imported, and `tools/generate.py --logprobs` scores a prompt at CP1,
-CP2 ring, CP2 Ulysses, CP2 all_gather, CP4 = U2 x R2, TP2+SP, PP2 and EP2: every prompt token's and generated token's log-prob equals
-transformers' log_softmax of its fp32 logits within 1e-4 (measured: 5e-7), and greedy tokens equal
-transformers' argmax. Export gives every tensor back bit for bit, in shards transformers loads with
-no missing or unexpected key, and after 3 training steps at CP4 the exported model's log-probs equal
-cp_ext's. Bad inputs are one message naming the file, the tensor or the key.
+Small random models are built with transformers' config classes (no hub, `tests.tools.hf_models`): a
+Qwen3-MoE (q/k norms, GQA with its own head dim, a dense first layer, normalized top-k routing), saved
+sharded with an index, a Mixtral (GQA, softmax top-2), saved as one file, and a GPT-OSS (biases, sinks,
+alternating 8-key sliding windows, the release's YaRN, stacked interleaved experts, the clamped GLU),
+sharded; their norms are perturbed so a dropped norm shows, GPT-OSS's biases and sinks are random. Each
+is imported, and `tools/generate.py --logprobs` scores a prompt at CP1, CP2 ring, CP2 Ulysses, CP2
+all_gather, CP4 = U2 x R2, TP2+SP, PP2 and EP2: every prompt token's and generated token's log-prob
+equals transformers' log_softmax of its fp32 logits within 1e-4 (measured: 1e-6), and greedy tokens equal
+transformers' argmax. GPT-OSS's tolerance has teeth (measured at CP1, each change alone): no window
+0.43, a window of 9 keys for 8 0.22, no sinks 0.28, a zeroed q/k/v, o_proj, router, gate_up or down
+bias 0.56, 1.5, 0.26, 0.12, 0.70, no clamp 0.14, plain RoPE for YaRN 0.27, --enable-gpt-oss's YaRN
+2e-3, YaRN's truncated correction range 8e-4. Export gives every tensor back bit for bit, in shards
+transformers loads with no missing or unexpected key, and after 3 training steps at CP4 the exported
+model's log-probs equal cp_ext's. Bad inputs are one message naming the file, the tensor or the key.
 """
 
 import json
@@ -49,13 +54,11 @@ def converted(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("family", SHARDS)
-def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
+def _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path):
+    """`tools/generate.py --logprobs` on ``ckpt`` at a grid: every token's log-prob within 1e-4 of transformers'
+    ``model``, greedy tokens its argmax."""
     import torch
 
-    hf, ckpt, model = converted[family]
-    nproc, flags = GRIDS[grid]
     output = tmp_path / "scores.jsonl"
     model_flags = [] if "--use-checkpoint-args" in flags else ["--config", ckpt / "model.yaml"]
     run_script(nproc, GENERATE, *model_flags, "--load", ckpt, *flags, "--seq-length", "64",
@@ -72,12 +75,148 @@ def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
     assert record["ids"] == greedy[:len(record["ids"])]
 
 
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("family", SHARDS)
+def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
+    _, ckpt, model = converted[family]
+    nproc, flags = GRIDS[grid]
+    if family == "gpt_oss" and "--tensor-model-parallel-size" in flags:
+        # biased experts are refused at expert-TP > 1, and expert-TP 1 under TP 2 needs the TP ranks as EP ranks
+        flags = flags + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]
+    _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path)
+
+
+def test_gpt_oss_window_layers_as_a_list_score_as_transformers(converted, tmp_path):
+    """layer_types that megatron's every-N rule cannot give (full, sliding, sliding, sliding) go as the 0/1 list;
+    at PP2 too, where megatron numbers the layers globally (counted per stage, the list would give layer 3 full
+    attention)."""
+    from transformers import GptOssForCausalLM
+
+    _, _, base = converted["gpt_oss"]
+    config = base.config.__class__.from_dict(base.config.to_dict(), attn_implementation="eager",
+                                             experts_implementation="eager")
+    config.layer_types = ["full_attention"] + ["sliding_attention"] * 3
+    model = GptOssForCausalLM(config).eval()
+    model.load_state_dict(base.state_dict())
+    hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    model.save_pretrained(hf)
+    run_script(0, TOOL, "import", "--hf-dir", hf, "--save", ckpt)
+    assert 'window-attn-skip-freq: "[0,1,1,1]"' in (ckpt / "model.yaml").read_text()
+    _scores_equal_transformers(ckpt, model, *GRIDS["pp2"], tmp_path)
+
+
 def test_model_yaml_carries_the_families_flags(converted):
     text = (converted["qwen3_moe"][1] / "model.yaml").read_text()
     for line in ('qk-layernorm: true', 'moe-layer-freq: "[0,1,1,1]"', 'num-query-groups: "2"', 'kv-channels: "16"',
                  'padded-vocab-size: "384"', 'untie-embeddings-and-output-weights: true'):
         assert line in text, text
     assert "moe-router-pre-softmax" not in text  # norm_topk_prob: top-k, then softmax over the k
+
+
+def test_model_yaml_carries_gpt_oss_flags(converted):
+    """HF's window of 8 keys is megatron's 7,0 on layers 1, 3 (1-based); the release's YaRN by its own values."""
+    text = (converted["gpt_oss"][1] / "model.yaml").read_text()
+    for line in ('window-size: "7,0"', 'window-attn-skip-freq: "2"', 'softmax-type: "learnable"', 'quick-geglu: true',
+                 'glu-linear-offset: "1.0"', 'activation-func-clamp-value: "1.0"', 'position-embedding-type: "yarn"',
+                 'rotary-scaling-factor: "32.0"', 'yarn-original-max-position-embeddings: "4096"',
+                 'rotary-base: "150000"',
+                 'no-yarn-correction-range-round-to-int: true', 'add-bias-linear: true', 'num-experts: "4"'):
+        assert line in text, text
+    for flag in ("enable-gpt-oss", "disable-bias-linear", "swiglu", "moe-router-pre-softmax"):
+        assert f"{flag}:" not in text, text
+
+
+def _layer_types_flags(types, window=8):
+    from cp_ext.hf.gpt_oss import GptOss
+
+    adapter = GptOss({"num_hidden_layers": len(types), "layer_types": types, "sliding_window": window,
+                      "num_attention_heads": 4, "hidden_size": 32})
+    return adapter.window_flags(), adapter._window_problems()
+
+
+def test_layer_types_become_megatrons_window_layers():
+    """megatron's --window-attn-skip-freq N windows 1-based layer % N != 0; other patterns go as the 0/1 list."""
+    s, f = "sliding_attention", "full_attention"
+    assert _layer_types_flags([s, f] * 3) == (["--window-size", "7,0", "--window-attn-skip-freq", 2], [])
+    assert _layer_types_flags([s, s, f] * 2) == (["--window-size", "7,0", "--window-attn-skip-freq", 3], [])
+    assert _layer_types_flags([f, s, s, s]) == (["--window-size", "7,0", "--window-attn-skip-freq", "[0,1,1,1]"], [])
+    assert _layer_types_flags([s] * 4, window=1) == (["--window-size", "0,0"], [])
+    assert _layer_types_flags([f] * 4) == ([], [])
+
+
+@pytest.mark.parametrize("key, value, must_name", [
+    ("layer_types", ["sliding_attention", "full_attention"], ["layer_types", "cannot be expressed", "for 4 layers"]),
+    ("sliding_window", None, ["sliding_window None", "W >= 1"]),
+    ("swiglu_alpha", 1.5, ["swiglu_alpha 1.5", "1.702"]),
+    ("swiglu_limit", None, ["swiglu_limit None", "positive"]),
+    ("num_local_experts", None, ["num_local_experts is missing"]),
+    ("num_experts_per_tok", 1, ["num_experts_per_tok 1"]),
+    ("attention_bias", False, ["attention_bias false"]),
+    ("hidden_act", "gelu", ["hidden_act 'gelu'"]),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 150000}, ["rope type 'llama3'"]),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_theta": 150000, "attention_factor": 1.0}, ["attention_factor 1.0 differs"]),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.5}, ["rope_theta 150000.5"]),
+])
+def test_gpt_oss_config_megatron_cannot_express_is_named(converted, key, value, must_name):
+    """Each config.json value the flags cannot reproduce is a problem naming it (the messages tools/convert_hf.py
+    reports as test_bad_input_is_one_message shows), never a silently different model."""
+    from cp_ext.hf.gpt_oss import GptOss
+
+    config = json.loads((converted["gpt_oss"][0] / "config.json").read_text())
+    assert GptOss(config).problems() == []
+    config[key] = value
+    text = "; ".join(GptOss(config).problems())
+    for part in must_name:
+        assert part in text, text
+
+
+class _Tensors:
+    """A stand-in for `HFCheckpoint`: named tensors, counting the reads."""
+
+    def __init__(self, tensors):
+        self.tensors, self.reads = tensors, {}
+
+    def get(self, name, shape=None):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        assert tuple(self.tensors[name].shape) == tuple(shape)
+        return self.tensors[name]
+
+
+def test_gpt_oss_experts_interleaved_and_stacked_both_ways():
+    """HF's stacked [E, h, 2 ffn] with gate/up interleaved -> megatron's per-expert [gate; up] [2 ffn, h] (and
+    the down projection transposed); each stacked tensor read once for its layer's experts; export returns {}
+    until the layer's last expert, then HF's stacked tensor bit for bit."""
+    import torch
+
+    from cp_ext.hf.gpt_oss import GptOss
+
+    experts, h, ffn = 3, 4, 2
+    adapter = GptOss({"num_attention_heads": 2, "hidden_size": h, "intermediate_size": ffn,
+                      "num_local_experts": experts})
+    adapter.used = set()
+    at = "model.layers.1.mlp.experts."
+    hf = _Tensors({at + "gate_up_proj": torch.randn(experts, h, 2 * ffn),
+                   at + "gate_up_proj_bias": torch.randn(experts, 2 * ffn),
+                   at + "down_proj": torch.randn(experts, ffn, h), at + "down_proj_bias": torch.randn(experts, h)})
+    x = torch.randn(5, h)
+    exported = {}
+    for e in range(experts):
+        units = {part: adapter.unit(hf, f"decoder.layers.mlp.experts.experts.linear_{part}.1.{e}")
+                 for part in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+        # megatron's expert: fc1 -> [gate; up] halves; HF's: x @ gate_up_proj[e] + bias, gate = [..., ::2]
+        y = x @ units["fc1.weight"].t() + units["fc1.bias"]
+        theirs = x @ hf.tensors[at + "gate_up_proj"][e] + hf.tensors[at + "gate_up_proj_bias"][e]
+        assert torch.equal(y[:, :ffn], theirs[:, ::2]) and torch.equal(y[:, ffn:], theirs[:, 1::2])
+        g = torch.randn(5, ffn)
+        assert torch.allclose(g @ units["fc2.weight"].t(), g @ hf.tensors[at + "down_proj"][e])
+        for part, full in units.items():
+            got = adapter.split(f"decoder.layers.mlp.experts.experts.linear_{part}.1.{e}", full.clone())
+            assert (got == {}) == (e < experts - 1)
+            exported.update(got)
+    assert hf.reads == dict.fromkeys(hf.tensors, 1)
+    assert sorted(exported) == sorted(hf.tensors)
+    assert all(torch.equal(exported[k], hf.tensors[k]) for k in hf.tensors)
 
 
 def _edited(converted, tmp_path, family, edit):
@@ -131,8 +270,10 @@ def _truncate(hf):
                                                            "original_max_position_embeddings": 32}),
      ["rope_parameters original_max_position_embeddings 32", "with original_max_position_embeddings 4096 only"]),
     ("deepseek_v3", _config("num_experts_per_tok", 3), ["num_experts_per_tok 3 / topk_group 1 != 2", "top-2"]),
+    ("gpt_oss", _config("layer_types", ["sliding_attention", "chunked_attention"] * 2),
+     ["layer_types", "cannot be expressed", "unknown: ['chunked_attention']"]),
 ], ids=["architecture", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
-        "rope-type", "mla-yarn", "group-ranking"])
+        "rope-type", "mla-yarn", "group-ranking", "gpt-oss-layer-types"])
 def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     proc = _edited(converted, tmp_path, family, edit)
     assert proc.returncode == 2, proc.stderr[-3000:]
