@@ -160,11 +160,11 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise HFError(str(failures[0]).strip().splitlines()[-1]) from None
-    used = set().union(*map(set, _gather(sorted(adapter.used))))
+    reads = _gather(sorted(adapter.used))  # what each rank read: the HF tensors of the chunks it wrote
     if rank0:
         meta = checkpoint_meta(args, 0, 0, 0)
         meta["weights_only"] = f"tools/convert_hf.py import of {hf.dir}"
-        meta["hf_tensors_read"] = len(used)
+        meta["hf_tensors_read"] = {"per_rank": [len(r) for r in reads], "distinct": len(set().union(*map(set, reads)))}
         (iteration_dir(tmp, 0) / META).write_text(json.dumps(meta, indent=1))
         (tmp / TRACKER).write_text("0\n")
         kept = tmp / HF_FILES

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
+from cp_ext.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
 from cp_ext.arguments import (  # noqa: E402
     NON_NEGATIVE, POSITIVE, ArgumentParser, ConfigError, exit_with_config_error, number, parse_args,
     single_process_without_torchrun,
@@ -49,6 +50,11 @@ def tool_parser():
     p.add_argument("--logprobs", action="store_true",
                    help="score: each prompt token's log-probability given the ones before it (vLLM's prompt_logprobs, "
                         "null for the first) and each generated token's, in --output's JSON")
+    # The prompts' tokenizer (Megatron-LM's flags). Taken here, not by the run's parser: generation reads no
+    # training corpus, so an HF tokenizer needs no --data-path (a run's --data-path gets them passed on).
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="for HuggingFaceTokenizer: a tokenizer.json, or a Hugging Face model directory (an import's CKPT/hf)")
     p.add_argument("--passkey-samples", type=POSITIVE, default=None,
                    help="with --synthetic-task passkey: instead of text prompts, N held-out passkey samples up to "
                         "their query token; generates the key's digits and reports how many keys came out right")
@@ -113,7 +119,10 @@ def main(argv=None):
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         tool, rest = tool_parser().parse_known_args(argv)
-        args = parse_args(rest + (["--finetune"] if "--load" in rest else []))
+        tokenizer_flags = ["--tokenizer-type", tool.tokenizer_type] + (
+            ["--tokenizer-model", tool.tokenizer_model] if tool.tokenizer_model else [])
+        args = parse_args(rest + (["--finetune"] if "--load" in rest else [])
+                          + (tokenizer_flags if "--data-path" in rest else []))
         if tool.temperature == 0 and (tool.top_k or tool.top_p < 1.0):
             raise ConfigError("  - --top-k and --top-p cut the distribution a sample is drawn from; greedy decoding "
                               "(--temperature 0, the default) draws none: add --temperature, e.g. 0.7")
@@ -126,13 +135,22 @@ def main(argv=None):
         prompts = read_prompts(tool) if not tool.passkey_samples else []
         from cp_ext.data.tokenizers import build_tokenizer
 
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        try:
+            tokenizer = build_tokenizer(tool.tokenizer_type, tool.tokenizer_model)
+        except ValueError as e:
+            raise ConfigError(f"  - {e}") from None
         if tool.passkey_samples:
             encoded, answers = passkey_prompts(tool.passkey_samples, args)
             tool.max_new_tokens = len(answers[0])  # the key's digits
         else:
             encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
         problems = length_problems(tool, [len(ids) for ids in encoded])
+        vocab = args.padded_vocab_size or args.vocab_size
+        if vocab and encoded and max(max(ids, default=0) for ids in encoded) >= vocab:
+            problems.append(f"the prompts hold token ids up to {max(max(ids, default=0) for ids in encoded)}, past the "
+                            f"model's vocabulary of {vocab}: --tokenizer-type {tool.tokenizer_type} is not the model's "
+                            f"tokenizer (an import's is CKPT/hf: --tokenizer-type HuggingFaceTokenizer "
+                            f"--tokenizer-model CKPT/hf)")
         if problems:
             raise ConfigError("\n".join(f"  - {p}" for p in problems))
     except ConfigError as e:

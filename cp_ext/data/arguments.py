@@ -25,7 +25,8 @@ def add_data_args(parser):
     g.add_argument("--skip-train", action="store_true",
                    help="no training: evaluate the valid and test splits once (with --load, the checkpoint) and exit")
     g.add_argument("--tokenizer-type", choices=["ByteTokenizer", "HuggingFaceTokenizer"], default="ByteTokenizer")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="for HuggingFaceTokenizer: a tokenizer.json, or a Hugging Face model directory holding one")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices (and the embedded corpus) are cached (default ~/.cache/cp_ext "
                         "for the embedded corpus, next to the data otherwise)")

@@ -100,6 +100,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str = None):
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
+        if os.path.isdir(tokenizer_model):  # Megatron-LM's habit: a Hugging Face model directory
+            inside = os.path.join(tokenizer_model, "tokenizer.json")
+            if not os.path.isfile(inside):
+                raise ValueError(f"--tokenizer-model {tokenizer_model}: a directory without tokenizer.json (cp_ext "
+                                 f"reads Hugging Face's fast-tokenizer file; save the tokenizer with transformers' "
+                                 f"save_pretrained, which writes it)")
+            tokenizer_model = inside
         if not os.path.isfile(tokenizer_model):
             raise ValueError(f"--tokenizer-model {tokenizer_model}: no such file")
         return HuggingFaceTokenizer(tokenizer_model)

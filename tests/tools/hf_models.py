@@ -51,11 +51,13 @@ def _config(family):
         max_position_embeddings=128, routed_scaling_factor=1.0)
 
 
-def tiny_hf(family):
+def tiny_hf(family, **config_changes):
     import torch
     from transformers import AutoModelForCausalLM
 
     config = _config(family)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
     # 5x transformers' init: attention logits of order 1, not 0.01, so that a wrong query or key row (a RoPE
     # permutation, a head order) moves the log-probs by far more than the 1e-4 the tests allow
     config.initializer_range = 0.1

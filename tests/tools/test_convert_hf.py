@@ -8,7 +8,7 @@ sharded; their norms are perturbed so a dropped norm shows, GPT-OSS's biases and
 is imported, and `tools/generate.py --logprobs` scores a prompt at CP1, CP2 ring, CP2 Ulysses, CP2
 all_gather, CP4 = U2 x R2, TP2+SP, PP2 and EP2: every prompt token's and generated token's log-prob
 equals transformers' log_softmax of its fp32 logits within 1e-4 (measured: 1e-6), and greedy tokens equal
-transformers' argmax. GPT-OSS's tolerance has teeth (measured at CP1, each change alone): no window
+transformers' `generate`. GPT-OSS's tolerance has teeth (measured at CP1, each change alone): no window
 0.43, a window of 9 keys for 8 0.22, no sinks 0.28, a zeroed q/k/v, o_proj, router, gate_up or down
 bias 0.56, 1.5, 0.26, 0.12, 0.70, no clamp 0.14, plain RoPE for YaRN 0.27, --enable-gpt-oss's YaRN
 2e-3, YaRN's truncated correction range 8e-4. Export gives every tensor back bit for bit, in shards
@@ -73,6 +73,11 @@ def _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path):
     assert (ours - reference).abs().max() <= 1e-4, (ours - reference).abs().max()
     greedy = logprobs[len(record["prompt_ids"]) - 1:].argmax(-1).tolist()
     assert record["ids"] == greedy[:len(record["ids"])]
+    n = len(record["ids"])  # transformers' own greedy decoding (its KV cache), not only its argmax
+    with torch.no_grad():
+        generated = model.generate(torch.tensor(record["prompt_ids"])[None], max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, pad_token_id=0)
+    assert generated[0, -n:].tolist() == record["ids"]
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -280,6 +285,7 @@ def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     assert "Traceback" not in proc.stderr and proc.stderr.count("convert_hf.py: configuration error") == 1
     for text in must_name:
         assert text in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing partial left: no ckpt, no ckpt.partial
 
 
 @pytest.mark.parametrize("family", SHARDS)
