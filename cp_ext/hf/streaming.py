@@ -39,6 +39,9 @@ def meta_model(args):
     vocab = args.padded_vocab_size or padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                                         args.tensor_model_parallel_size)
     config = transformer_config_from_args(args)
+    # megatron's layers allocate on the current (CUDA, here CPU) device unless told to initialize on the
+    # "CPU", which allocates on the default device: the meta one below. Nothing is initialized.
+    config.use_cpu_initialization, config.perform_initialization = True, False
     with torch.device("meta"):
         return build_model(config, args, vocab, initialize=False)
 
@@ -95,8 +98,10 @@ def save_streaming(model, directory, materialize, content_metadata=None):
                             sharded_strategy=_StreamingSave(materialize, stack_of), content_metadata=content_metadata)
 
 
-def load_units(model, directory, dtype=torch.float32):
-    """Yield (unit, full tensor) for every unit of meta-device ``model``, one layer's units per read."""
+def load_units(model, directory):
+    """Yield (unit, full tensor, in the checkpoint's dtype) for every unit of meta-device ``model``, one
+    layer's units per read."""
+    saved_dtype = {key: t.dtype for key, t in dist_checkpointing.load_tensors_metadata(str(directory)).items()}
     by_layer = defaultdict(list)
     for t in _flatten(model.sharded_state_dict()):
         stack, unit_shape = tuple(t.global_shape[:t.prepend_axis_num]), tuple(t.global_shape[t.prepend_axis_num:])
@@ -113,7 +118,7 @@ def load_units(model, directory, dtype=torch.float32):
             # The stack axes as ordinary axes of length 1 (not megatron's prepend axes, whose reader expects
             # every layer of the stack requested at once): one layer's slice of the stored [layers, ...] tensor.
             rank_offsets = [(axis, offset, count) for axis, (offset, count) in enumerate(zip(offsets, stack))]
-            local = torch.empty((1,) * len(stack) + unit_shape, dtype=dtype)
+            local = torch.empty((1,) * len(stack) + unit_shape, dtype=saved_dtype[key])
             request[unit] = ShardedTensor.from_rank_offsets(key, local, *rank_offsets)
         # a part of each stacked tensor: not the whole-tensor coverage megatron checks for a model load
         loaded = dist_checkpointing.load({"model": request}, str(directory), validate_access_integrity=False)["model"]
