@@ -6,14 +6,16 @@ cp_ext checkpoint that loads at any grid, and the model's flags beside it; ``exp
     torchrun ... pretrain_moe.py --config CKPT/model.yaml --load CKPT --finetune ...   # grid, training flags
     torchrun ... tools/generate.py --config CKPT/model.yaml --load CKPT --prompt ... --logprobs --output o.jsonl
 
-Supported: `cp_ext.hf.families.ARCHITECTURES` (Mixtral, Qwen3-MoE, GPT-OSS). The model is built on one rank
-(CP1, TP1) from megatron's own sharded-state-dict map (`cp_ext.models.layout`): every full tensor it
-holds is assembled from Hugging Face's by the family's adapter, each HF tensor must be used, and the
-checkpoint is megatron's dist_checkpointing format, which every grid reshards on load. The import keeps
-config.json and the tokenizer files in CKPT/hf/; export loads the checkpoint's weights (any iteration),
-splits each full tensor back into Hugging Face's by the same adapter, casts it to config.json's dtype, and
-writes shards of at most --max-shard-size with an index, config.json and the tokenizer: HF -> cp_ext -> HF
-gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
+Supported: `cp_ext.hf.families.ARCHITECTURES` (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS; FP8 and MXFP4
+releases are dequantized by the reader). Neither direction holds the model: it is built on the meta device
+for megatron's sharded-state-dict map (`cp_ext.hf.streaming`). The whole mapping is first checked on the
+safetensors headers (every HF tensor used, every shape as config.json implies); then import writes
+megatron's dist_checkpointing (torch_dist) checkpoint chunk by chunk, each chunk's full tensor assembled
+from Hugging Face's by the family's adapter when the writer asks for it (under torchrun at a grid, each rank
+its own chunks), and export reads one layer's units at a time, splits each back into Hugging Face's by the
+same adapter, casts to config.json's dtype and writes shards of at most --max-shard-size with an index,
+config.json and the tokenizer the import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end.
+HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
 """
 
 import argparse

@@ -100,8 +100,9 @@ class HFCheckpoint:
         return set(self.parts)
 
     def get(self, name, shape=None) -> torch.Tensor:
-        """The tensor ``name`` in its stored dtype (fp32 if dequantized: no copy twice the size of a bf16 release's
-        tensor; the checkpoint writer casts to the model's dtype), ``shape``: what config.json implies it
+        """The tensor ``name`` in its stored dtype (fp32 if dequantized; the checkpoint writer casts to the model's),
+        a copy: safetensors hands out views of its mapped file, which would keep each shard mapped (and resident)
+        for as long as any tensor read from it lives. ``shape``: what config.json implies it
         must be (checked on the dequantized tensor)."""
         if name not in self.parts:
             raise HFError(f"--hf-dir {self.dir}: tensor {name} is missing (the mapping needs it)")
@@ -131,7 +132,7 @@ class HFCheckpoint:
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise HFError(f"{path}: tensor {name}{how} has shape {tuple(tensor.shape)}, config.json implies "
                           f"{tuple(shape)}")
-        return tensor
+        return tensor.clone() if len(parts) == 1 else tensor
 
     def shapes_only(self):
         """This checkpoint, with `get` checking names and shapes from the safetensors headers and returning

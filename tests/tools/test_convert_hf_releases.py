@@ -154,3 +154,14 @@ def test_weights_only_import_resumes_only_as_a_finetune(tmp_path):
                       "--train-iters", "1", "--seq-length", "64", check=False)
     assert proc.returncode == 2 and "holds weights only" in proc.stderr and "add --finetune" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_deepseek_mtp_layer_is_skipped_as_transformers_skips_it():
+    """The release's MTP layer (model.layers.<num_hidden_layers>.*) has no place in DeepseekV3ForCausalLM."""
+    from cp_ext.hf.deepseek_v3 import DeepseekV3
+
+    config = tiny_hf("deepseek_v3").config.to_dict()
+    assert config["num_hidden_layers"] == 4 and config["num_nextn_predict_layers"] == 1
+    names = {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.3.input_layernorm.weight",
+             "model.layers.40.input_layernorm.weight"}
+    assert DeepseekV3(config).unused_by_design(names) == {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"}
