@@ -12,7 +12,6 @@ The import writes the checkpoint in bf16 (--bf16), so import and export move the
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
