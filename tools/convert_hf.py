@@ -19,6 +19,7 @@ HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -102,7 +103,7 @@ def _check_mapping(hf, adapter, model):
     try:
         for t in _flatten(model.sharded_state_dict()):
             p = t.prepend_axis_num
-            for offsets in _offsets(t.global_shape[:p]) if p else [()]:
+            for offsets in itertools.product(*map(range, t.global_shape[:p])):  # each layer (expert) of a stack
                 unit, want = ".".join(map(str, (t.key, *offsets))), tuple(t.global_shape[p:])
                 got = tuple(adapter.unit(shapes, unit).shape)
                 if got != want:
@@ -118,10 +119,6 @@ def _check_mapping(hf, adapter, model):
     if left:
         raise HFError(f"--hf-dir {hf.dir}: {len(left)} tensor(s) left over after the mapping, e.g. {left[:3]}")
     adapter.used = set()
-
-
-def _offsets(stack):
-    return [()] if not stack else [(i, *rest) for i in range(stack[0]) for rest in _offsets(stack[1:])]
 
 
 def import_checkpoint(hf_dir, save, grid_flags=()):

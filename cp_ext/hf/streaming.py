@@ -11,6 +11,7 @@ sharded-state-dict map (every tensor's key, global shape and this rank's chunks)
   the requested chunks).
 """
 
+import itertools
 import re
 from collections import defaultdict
 
@@ -106,7 +107,7 @@ def load_units(model, directory):
     for t in _flatten(model.sharded_state_dict()):
         stack, unit_shape = tuple(t.global_shape[:t.prepend_axis_num]), tuple(t.global_shape[t.prepend_axis_num:])
         listed = re.match(r"decoder\.layers\.(\d+)\.", t.key)  # a --moe-layer-freq list's layers
-        for offsets in _all_offsets(stack):
+        for offsets in itertools.product(*map(range, stack)):  # every layer (and expert) of the stack
             layer = (int(listed.group(1)),) if listed else offsets[:1]
             by_layer[layer].append((t.key, stack, offsets, unit_shape))
     unit_shape_of = {}
@@ -125,8 +126,3 @@ def load_units(model, directory):
         for unit in request:
             yield unit, loaded[unit].reshape(unit_shape_of[unit])
 
-
-def _all_offsets(stack):
-    if not stack:
-        return [()]
-    return [(i, *rest) for i in range(stack[0]) for rest in _all_offsets(stack[1:])]
