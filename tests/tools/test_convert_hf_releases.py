@@ -165,3 +165,10 @@ def test_deepseek_mtp_layer_is_skipped_as_transformers_skips_it():
     names = {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.3.input_layernorm.weight",
              "model.layers.40.input_layernorm.weight"}
     assert DeepseekV3(config).unused_by_design(names) == {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"}
+
+
+def test_import_refuses_a_flag_that_is_not_a_grid_flag(tmp_path):
+    proc = run_script(0, TOOL, "import", "--hf-dir", tmp_path / "none", "--save", tmp_path / "ckpt", "--lr", "1e-4",
+                      check=False)
+    assert proc.returncode == 2 and "--lr is not an import flag" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "ckpt").exists()
