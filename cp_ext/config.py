@@ -12,6 +12,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from cp_ext.arguments.network import GPT_OSS_YARN
+from cp_ext.megatron_compat import ROUTER_SCALES_AUX_LOSS_BY_TP_CP
 
 
 @dataclass
@@ -73,17 +74,20 @@ def padded_vocab_size(vocab_size, divisible_by, tp_size):
 
 
 def aux_loss_layout_factor(args):
-    """Undo megatron-core's layout-dependent MoE aux-loss strength under per-token loss.
+    """Undo megatron-core's layout-dependent MoE aux- and z-loss strength under per-token loss (0.16-0.18).
 
-    With ``calculate_per_token_loss`` the router multiplies each rank's partial aux loss by
-    its *local* token count (moe/router.py, `attach_and_log_load_balancing_loss`), and
-    `finalize_model_grads` divides by the global count. The partial losses of the TP x CP
-    ranks sum to the whole microbatch's loss, but each is weighted by only 1/(TP x CP) of
-    the microbatch's tokens, so the aux-loss gradient shrinks by TP x CP (with sequence
-    parallelism; CP alone without it). Scaling the coefficient back makes the gradient
-    equal to the single-rank one; the logged aux loss divides the coefficient out and is
-    unaffected. Measured: router gradients 50% off at TP2+SP without this, 4e-7 with it.
+    With ``calculate_per_token_loss`` megatron-core before 0.19 multiplies each rank's partial aux loss
+    by its *local* token count (moe/router.py, `attach_and_log_load_balancing_loss`), and
+    `finalize_model_grads` divides by the global count. The partial losses of the TP x CP ranks sum
+    to the whole microbatch's loss, but each is weighted by only 1/(TP x CP) of the microbatch's
+    tokens, so the aux-loss gradient shrinks by TP x CP (with sequence parallelism; CP alone without
+    it). Scaling the coefficient back makes the gradient equal to the single-rank one; the logged aux
+    loss divides the coefficient out and is unaffected. Measured: router gradients 50% off at TP2+SP
+    without this, 4e-7 with it. From 0.19 the router multiplies by the TP x CP size itself
+    (`cp_ext.megatron_compat.ROUTER_SCALES_AUX_LOSS_BY_TP_CP`), and scaling again would double it.
     """
+    if ROUTER_SCALES_AUX_LOSS_BY_TP_CP:
+        return 1
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     return tp * args.context_parallel_size
 

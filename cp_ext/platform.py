@@ -3,8 +3,9 @@
 This module owns every CPU accommodation cp_ext makes, and nothing else may branch
 on the device. `setup_platform()` is a no-op when CUDA is present: GPU runs execute
 megatron-core exactly as shipped. Without CUDA (or with `--device cpu`) it meets
-the few CUDA assumptions megatron-core 0.16.1 makes on the paths cp_ext uses
-(each found by running those paths on CPU; tests/test_platform.py covers them):
+the few CUDA assumptions megatron-core makes on the paths cp_ext uses, the same on every supported
+release, 0.16.1 through 0.19.x (each found by running those paths on CPU; tests/test_platform.py
+covers them; what else differs between the releases is `cp_ext.megatron_compat`'s):
 
 =========================================  ====================================================
 megatron-core assumes                      on CPU we provide
@@ -18,8 +19,8 @@ megatron-core assumes                      on CPU we provide
 CUDA RNG tracker (`fork`/`add`)            a tracker that saves/restores the CPU generator
 CUDA RNG get/set around recompute          the CPU generator's state
 (``tensor_parallel.checkpoint``)
-``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron bug: unguarded name;
-without TE)                                 fixed on GPU without TE too)
+``moe_utils.te_general_gemm`` (NameError   defined as ``None`` (megatron 0.16 bug: unguarded name;
+without TE)                                 fixed on GPU without TE too; 0.17+ define it)
 ``CheckpointWithoutOutput`` FP8 flag        forced off without TE (megatron bug; GPU too)
 distributed optimizer loading a model-     states the checkpoint lacks (torch Adam's step;
 space checkpoint needs every state          fp32 main params) keep their values (any device)
@@ -161,16 +162,18 @@ def cuda_unusable_reason():
 
 
 def _without_transformer_engine():
-    """Three megatron-core 0.16.1 bugs met on any device when TransformerEngine is not installed.
+    """Three megatron-core bugs met on any device when TransformerEngine is not installed.
 
-    * ``moe_utils.te_general_gemm`` is imported only with TE but read unguarded by the
+    * 0.16 only: ``moe_utils.te_general_gemm`` is imported only with TE but read unguarded by the
       router's GEMM (NameError at the first MoE forward); ``None`` selects its torch.mm path.
-    * ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None``, i.e. True,
-      and then calls TE's FP8GlobalStateManager: ``--recompute-modules layernorm`` fails with
-      a NameError. Without TE there is no FP8, so the flag is forced off.
-    * ``multi_latent_attention`` sets ``HAVE_TE = True`` with MagicMock stand-ins when TE's import
-      fails, then ``isinstance(self.linear_proj, TELinear)`` raises TypeError: MLA cannot be built.
-      Without TE, ``HAVE_TE`` is False there, as the module's other checks expect.
+      0.17 and later define it as None themselves, and nothing is patched there.
+    * every release (0.19.2 too): ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not
+      None``, i.e. True, and then calls TE's FP8GlobalStateManager: ``--recompute-modules layernorm``
+      fails with a NameError. Without TE there is no FP8, so the flag is forced off.
+    * 0.16 only: ``multi_latent_attention`` sets ``HAVE_TE = True`` with MagicMock stand-ins when TE's
+      import fails, then ``isinstance(self.linear_proj, TELinear)`` raises TypeError: MLA cannot be
+      built. Without TE, ``HAVE_TE`` is False there, as the module's other checks expect. 0.17 and
+      later import TE's own ``HAVE_TE`` (False without TE), and nothing is patched there.
     """
     try:
         import transformer_engine  # noqa: F401

@@ -161,15 +161,19 @@ def test_torchrun_prints_the_message_once(tmp_path, case, crafted_checkpoint):
     assert must_name[0] in proc.stderr and "[rank0]: Traceback" not in proc.stderr
 
 
-def test_other_megatron_core_version_is_refused(tmp_path):
-    """A megatron-core other than the pin (shadowed here by a dist-info of another version) is one message."""
-    fake = tmp_path / "site" / "megatron_core-0.15.0.dist-info"
+@pytest.mark.parametrize("version", ["0.15.0", "0.20.0"])
+def test_unsupported_megatron_core_is_refused(tmp_path, version):
+    """A megatron-core outside the supported range (shadowed here by a dist-info of another version) is one
+    message naming both ends of the range, the installed version and the fix; the override lets one try it."""
+    fake = tmp_path / "site" / f"megatron_core-{version}.dist-info"
     fake.mkdir(parents=True)
-    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.15.0\n")
+    (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n")
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT)])}
     proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py")], tmp_path, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "needs megatron-core==0.16.1, but 0.15.0 is installed" in proc.stderr
+    assert proc.stderr.count("pretrain_moe.py:") == 1, proc.stderr
+    assert f"supports megatron-core 0.16.1 through 0.19.x, but {version} is installed" in proc.stderr
+    assert "pip install 'megatron-core>=0.16.1,<0.20'" in proc.stderr
     proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), "--help"], tmp_path,
-                   env={**env, "CP_EXT_ALLOW_MEGATRON_CORE": "0.15.0"})
+                   env={**env, "CP_EXT_ALLOW_MEGATRON_CORE": version})
     assert proc.returncode == 0, proc.stderr  # the documented way to try another version

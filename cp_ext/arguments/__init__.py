@@ -25,6 +25,7 @@ import os
 import sys
 import time
 
+from cp_ext import __version__
 from cp_ext.arguments.attention import ATTENTION_BACKENDS  # noqa: F401 (re-exported)
 from cp_ext.arguments.attention import add_attention_group, attention_problems, fill_attention_defaults
 from cp_ext.arguments.checkpointing import add_checkpoint_args, apply_checkpoint_args, checkpoint_flag_problems
@@ -37,6 +38,7 @@ from cp_ext.arguments.training import add_recompute_args, add_training_args, fil
 from cp_ext.arguments.yaml_config import read_yaml, yaml_tokens
 from cp_ext.data.arguments import add_data_args, data_problems, evaluation_splits, split_weights  # noqa: F401 (re-exported)
 from cp_ext.errors import ConfigError
+from cp_ext.megatron_version import versions_line
 from cp_ext.flag_types import FRACTION, NON_NEGATIVE, POSITIVE, ArgumentParser, RunArgs, number  # noqa: F401 (re-exported)
 
 ALL_GROUPS = (add_network_args, add_attention_group, add_moe_args, add_parallel_args, add_training_args,
@@ -50,6 +52,8 @@ def build_parser():
         description="Train a MoE GPT with megatron-core and cp_ext (Megatron-LM flag names).",
     )
     parser.add_argument("--config", default=None, help="YAML file of defaults; flags override it")
+    parser.add_argument("--version", action="version", version=versions_line(__version__),
+                        help="print the versions of cp_ext, megatron-core, torch and Python, and exit")
     for add in ALL_GROUPS:
         add(parser)
     return parser
@@ -105,16 +109,14 @@ def validate_args(args):
 
 
 def single_process_without_torchrun():
-    """``python pretrain_moe.py ...`` (or a tool) runs as one rank, as torchrun --nproc-per-node 1 would."""
+    """``python pretrain_moe.py ...`` (or a tool) runs as one rank, as torchrun --nproc-per-node 1 would.
+
+    MASTER_PORT 0: the one rank's TCPStore listens on a port the OS picks when it binds, so no other
+    process can take it in between (a port chosen free, released and bound later can be)."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 
 
 def exit_with_config_error(prog, error):

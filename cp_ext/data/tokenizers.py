@@ -1,4 +1,4 @@
-"""Tokenizers, as megatron-core's datasets expect them (its `MegatronLegacyTokenizer` interface).
+"""Tokenizers, as megatron-core's datasets expect them (its `MegatronTokenizerBase` interface).
 
     --tokenizer-type ByteTokenizer          UTF-8 bytes 0..255, EOD = 256 (vocab 257); no files
     --tokenizer-type HuggingFaceTokenizer   any HuggingFace `tokenizers` JSON file
@@ -9,22 +9,35 @@
 the loader both call it, so the ids on disk and the model's vocab agree.
 """
 
-import logging
 import os
+from collections import OrderedDict
 
 import numpy as np
-from megatron.core.datasets import megatron_tokenizer
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
-# The "legacy tokenizer" deprecation notice is about Megatron-LM's own tokenizers; this
-# interface is still the one megatron.core.datasets reads (tokenize, vocab_size, eod).
-logging.getLogger(megatron_tokenizer.__name__).setLevel(logging.ERROR)
+# The base megatron.core.datasets types its tokenizer against on every supported release (0.16.1's
+# `datasets.megatron_tokenizer.MegatronLegacyTokenizer` is gone from 0.17); the datasets read
+# `vocab_size` and `eod`, preprocessing `tokenize`.
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
 _EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<eod>")
 
 
-class ByteTokenizer(MegatronLegacyTokenizer):
+class _Tokenizer(MegatronTokenizerBase):
+    """What the two tokenizers share: the identity megatron's datasets hash, and no chat template
+    (pretraining data is plain text)."""
+
+    def __init__(self, path):
+        super().__init__(path, config={})
+        # megatron's datasets put this in the description their index caches are named by; the legacy
+        # base's form, so caches built on any supported release stay valid on the others
+        self.unique_identifiers = OrderedDict(**{"class": type(self).__name__, "tokenizer_path": [path]})
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no chat template (cp_ext pretrains on plain text)")
+
+
+class ByteTokenizer(_Tokenizer):
     """Bytes as tokens; id 256 ends a document."""
 
     def __init__(self):
@@ -53,7 +66,7 @@ class ByteTokenizer(MegatronLegacyTokenizer):
         return 256
 
 
-class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+class HuggingFaceTokenizer(_Tokenizer):
     """A HuggingFace `tokenizers` JSON file (tokenizer.json), without transformers."""
 
     def __init__(self, path: str):

@@ -2,8 +2,8 @@
 converting a model never holds it: the model is built on the meta device, which gives megatron's
 sharded-state-dict map (every tensor's key, global shape and this rank's chunks) and no storage.
 
-* `save_streaming`: megatron's ``torch_dist`` save (`dist_checkpointing.save`, so metadata.json,
-  common.pt and the tensor index are megatron's own) with a save planner that makes each chunk's data
+* `save_streaming`: megatron's ``torch_dist`` save (`dist_checkpointing.save`, so metadata.json, the
+  common state and the tensor index are megatron's own) with a save planner that makes each chunk's data
   when torch.distributed.checkpoint's writer asks for it, and torch's plain FileSystemWriter, which asks
   for one chunk at a time and writes it before the next (megatron's own writer resolves every tensor
   first). Each rank writes its chunks only: at a grid, each reads only the units it holds.
@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 
+from cp_ext.megatron_compat import load_checkpoint
 from cp_ext.models.layout import _flatten
 
 
@@ -122,7 +123,7 @@ def load_units(model, directory):
             local = torch.empty((1,) * len(stack) + unit_shape, dtype=saved_dtype[key])
             request[unit] = ShardedTensor.from_rank_offsets(key, local, *rank_offsets)
         # a part of each stacked tensor: not the whole-tensor coverage megatron checks for a model load
-        loaded = dist_checkpointing.load({"model": request}, str(directory), validate_access_integrity=False)["model"]
+        loaded = load_checkpoint({"model": request}, directory, validate_access_integrity=False)["model"]
         for unit in request:
             yield unit, loaded[unit].reshape(unit_shape_of[unit])
 

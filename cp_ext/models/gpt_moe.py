@@ -39,18 +39,22 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from cp_ext.megatron_compat import quiet_gpt_model_deprecation, spec_parts
 from cp_ext.models.layout import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.experts import ExpertRowParallelLinear
 from cp_ext.transformer.norms import SequenceParallelNorm
+
+quiet_gpt_model_deprecation()  # megatron 0.19's notice; cp_ext builds GPTModel on purpose (megatron_compat, row 10)
 
 
 def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
@@ -61,19 +65,22 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     submodules.pre_mlp_layernorm = SequenceParallelNorm
     attention = submodules.self_attention.submodules
     if config.qk_layernorm:  # megatron's local norm refuses SP; finalize_model_grads sums these over TP
-        attention.q_layernorm = SequenceParallelNorm
         if mla:
             attention.kv_layernorm = SequenceParallelNorm
+            # MLA normalizes the compressed query, which only q-LoRA has (DeepSeek-V2-Lite has none):
+            # 0.16.1 never builds a q norm without it, and 0.19's norm resolver refuses one.
+            attention.q_layernorm = SequenceParallelNorm if config.q_lora_rank is not None else IdentityOp
         else:
-            attention.k_layernorm = SequenceParallelNorm
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
     if mla:
         from cp_ext.transformer.mla import ContextParallelMLASelfAttention  # (it imports cp_ext.models.rope)
 
         submodules.self_attention.module = ContextParallelMLASelfAttention
     attention.core_attention = CoreAttention
-    experts = getattr(submodules.mlp.submodules, "experts", None)  # MoE layers only
-    if experts is not None and experts.module is SequentialMLP:
-        experts.submodules.linear_fc2 = ExpertRowParallelLinear  # biased experts add in place
+    _, mlp = spec_parts(submodules.mlp)
+    experts_class, experts = spec_parts(getattr(mlp, "experts", None))  # MoE layers only
+    if experts_class is SequentialMLP:
+        experts.linear_fc2 = ExpertRowParallelLinear  # biased experts add in place
     return layer
 
 

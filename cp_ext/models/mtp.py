@@ -47,6 +47,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 from megatron.core.utils import make_viewless_tensor
 
 from cp_ext import parallel_state as cp_state
+from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
 from cp_ext.data.sharding import context_parallel_positions
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -135,7 +136,8 @@ def megatron_roll_error(tensor: torch.Tensor, layout: str, dim: int = -1) -> int
 class ContextParallelMTPLayer(MultiTokenPredictionLayer):
     """megatron's MTP layer whose shift of the input and position ids crosses cp_ext's CP shards."""
 
-    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
+    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None,
+                        padding_mask=None):
         if packed_seq_params is not None:
             raise NotImplementedError("cp_ext does not support packed (thd) sequences")
         layout = getattr(self.config, "cp_layout", "zigzag")
@@ -145,7 +147,11 @@ class ContextParallelMTPLayer(MultiTokenPredictionLayer):
             input_ids, position_ids = roll_left(input_ids, layout), roll_left(position_ids, layout)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        return input_ids, position_ids, decoder_input, hidden_states
+        if not MTP_EMBEDDINGS_CARRY_PADDING_MASK:  # 0.16, 0.17
+            return input_ids, position_ids, decoder_input, hidden_states
+        if padding_mask is not None:
+            padding_mask = roll_left(padding_mask, layout)
+        return input_ids, position_ids, padding_mask, decoder_input, hidden_states
 
 
 def get_mtp_block_spec(config, decoder_block, fill_seats):
@@ -161,7 +167,7 @@ def get_mtp_block_spec(config, decoder_block, fill_seats):
     for layer in {id(spec): spec for spec in block.layer_specs}.values():
         layer.module = ContextParallelMTPLayer
         layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = SequenceParallelNorm
-        fill_seats(layer.submodules.transformer_layer, config)
+        fill_seats(getattr(layer.submodules, MTP_INNER_LAYER_FIELD), config)
     return block
 
 

@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, merge, nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject, ShardedTensorFactory
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 # Megatron-LM's metadata for `optimizer.sharded_state_dict` (its `_build_sharded_state_dict_metadata`
 # with --dist-ckpt-optim-fully-reshardable): the distributed optimizer's state is written in model
@@ -47,9 +48,6 @@ class CheckpointContext:
     model_sharded: dict = field(default_factory=dict)  # model.sharded_state_dict() of this run
     saved: Optional[dict] = None  # when loading: the checkpoint's meta.json (grid, optimizer kind, ...)
     saved_keys: frozenset = frozenset()  # when loading: every tensor key the checkpoint holds
-    # when loading: the checkpoint's plain optimizer values (step, param groups), kept out of
-    # dist_checkpointing's merge because their layout is the saving run's (`OptimizerState`)
-    saved_optimizer_common: Optional[dict] = None
 
 
 class ModelState:
@@ -93,6 +91,12 @@ class OptimizerState:
     reads the main parameters under the key the saving kind used (`_saved_main_param_key`).
     """
 
+    # dist_checkpointing.load returns the checkpoint's plain values merged with what it read, each under
+    # the key it was saved under. The plain optimizer values are in the *saving* run's layout, so this
+    # run's tensors are requested under another top-level key, and the two never merge (what is read
+    # depends on the tensors' global keys, not on where they sit in the request).
+    LOADED = "optimizer (loaded tensors)"
+
     def __init__(self, optimizer, kind):
         self.optimizer, self.kind = optimizer, kind
 
@@ -113,23 +117,28 @@ class OptimizerState:
         # dist_checkpointing.load returns only what it read; keep this layout's plain values.
         self._plain, _ = extract_matching_values(
             request, lambda v: not isinstance(v, (ShardedBase, ShardedTensorFactory, LocalNonpersistentObject)))
-        return {"optimizer": request}
+        return {self.LOADED: request}
 
     def load_state_dict(self, state, ctx):
-        section = merge(self._plain, state["optimizer"])
-        step, saved_groups = _saved_step_and_groups(ctx.saved_optimizer_common, ctx.saved["optimizer_kind"])
+        section = merge(self._plain, state[self.LOADED])
+        step, saved_groups = _saved_step_and_groups(state["optimizer"], ctx.saved["optimizer_kind"])
         by_multipliers = {_group_key(g): g for g in saved_groups}
         for sub in _per_optimizer(section):
             groups = _groups(sub, self.kind)
             for group in groups:
                 saved = by_multipliers[_group_key(group)]
-                group.update({k: v for k, v in saved.items() if k not in ("params", "step", "is_expert_parallel")})
+                # megatron's load pairs these groups with the live ones by its identifier keys (from 0.19 the
+                # schedule's max_lr, min_lr, start_wd, end_wd too), so those keep this run's values until after it
+                group.update({k: v for k, v in saved.items() if k not in ("params", "step", *param_group_identifier_keys)})
                 if self.kind == "distributed":  # the distributed optimizer keeps Adam's step per group
                     group["step"] = step
             if self.kind != "distributed":  # megatron's other optimizers: one step for every parameter
                 inner = sub["optimizer"] if self.kind == "mixed" else sub
                 inner.setdefault("state", {})["common_step"] = torch.tensor(step)
         self.optimizer.load_state_dict(section)
+        for group in self.optimizer.param_groups:  # the checkpoint's schedule values (0.19's identifiers)
+            saved = by_multipliers[_group_key(group)]
+            group.update({k: saved[k] for k in param_group_identifier_keys if k in saved and k != "is_expert_parallel"})
 
 
 def _allocate_adam_state(optimizer):

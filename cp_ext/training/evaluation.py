@@ -18,8 +18,8 @@ import math
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+from cp_ext.megatron_compat import zero_moe_loss_tracker
 from cp_ext.models.mtp import MTPLosses
 from cp_ext.training.batches import microbatches
 from cp_ext.training.logging import print_rank_0
@@ -63,7 +63,7 @@ def evaluate_losses(trainer, dataset, eval_iters):
         chunk.train()
         if overlap:
             chunk.enable_forward_pre_hook()
-    clear_aux_losses_tracker()
+    zero_moe_loss_tracker()
     mtp = trainer.mtp_losses()  # what the MTP heads recorded in these forwards, reduced as in training
     torch.distributed.all_reduce(total)
     return {"lm loss": (total[0] / total[1].clamp(min=1)).item(), **mtp}

@@ -32,6 +32,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.arguments.attention import MLA_EXCHANGES
+from cp_ext.megatron_compat import MLA_ROPE_KWARGS
 from cp_ext.models.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 
@@ -56,10 +57,10 @@ def takes_latent(exchange: str, possible: bool, config, heads: int) -> bool:
 
 
 class ContextParallelMLASelfAttention(MLASelfAttention):
-    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.padding, cp_comm_type=None,
-                 pg_collection=None):
-        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
-                         pg_collection=pg_collection)
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.padding, **kwargs):
+        # kwargs: whatever this release's TransformerLayer passes (cp_comm_type, pg_collection; from 0.18
+        # also pp_layer_offset and name), handed on unchanged
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type, **kwargs)
         self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb,
                                                                layout=getattr(config, "cp_layout", "zigzag"))
         self.exchange = getattr(config, "cp_mla_exchange", "auto")
@@ -68,6 +69,18 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         self.core_attention.latent_source = weakref.ref(self)  # where the core finds W_up (not a submodule)
         core = self.core_attention
         self.rotary_pos_emb.decode_position = lambda: _decoding_position(core)
+
+    def _resolve_qk_norm_config(self, submodules):
+        """megatron-core 0.19's choice of the q/kv norms and projections (it has no such step before 0.19).
+
+        With ``--qk-layernorm`` and no q-LoRA (DeepSeek-V2-Lite) 0.19 wants ``linear_q_proj`` fused with a
+        norm of the layer's input, which only TransformerEngine provides; 0.16.1 and Hugging Face's
+        DeepSeek-V2 have no query norm there (the norm belongs to q-LoRA's compressed query). cp_ext keeps
+        that model on every release: a plain ``linear_q_proj`` (`cp_ext.megatron_compat`, row 6)."""
+        layers = super()._resolve_qk_norm_config(submodules)
+        if self.config.q_lora_rank is None:
+            layers["linear_q_proj"] = submodules.linear_q_proj
+        return layers
 
     def latent_exchange(self) -> bool:
         """Whether this forward exchanges the latent (`--cp-mla-exchange`, resolved on the run's groups)."""
@@ -133,7 +146,8 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = q.split([cfg.qk_head_dim, p], dim=-1)
         emb = emb[: q.shape[0]]
-        rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp)
+        # megatron's MLA rotates interleaved pairs (MLA_ROPE_KWARGS says so where the release needs telling)
+        rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp, **MLA_ROPE_KWARGS)
         q_pe = apply_rotary_pos_emb(q_pe, emb, **rope)
         k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope)  # [s, b, 1, p]
         query = torch.cat([q_nope, q_pe], dim=-1)
