@@ -103,13 +103,15 @@ def passkey_prompts(count, args):
     return [s[:-data.key_length] for s in samples], [s[-data.key_length:] for s in samples]
 
 
-def length_problems(tool, lengths):
-    """A prompt the model cannot take: refused past --max-position-embeddings, warned past --seq-length."""
+def length_problems(tool, lengths, args):
+    """A prompt the model cannot take: refused past --max-position-embeddings (this tool's, else a learned
+    position table's rows), warned past --seq-length."""
     longest = max(lengths) + tool.max_new_tokens
-    if tool.max_position_embeddings and longest > tool.max_position_embeddings:
+    limit = tool.max_position_embeddings or (
+        args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else None)
+    if limit and longest > limit:
         return [f"a prompt of {max(lengths)} tokens + --max-new-tokens {tool.max_new_tokens} = {longest} positions "
-                f"exceeds --max-position-embeddings {tool.max_position_embeddings}; shorten the prompt or generate "
-                f"fewer tokens"]
+                f"exceeds --max-position-embeddings {limit}; shorten the prompt or generate fewer tokens"]
     return []
 
 
@@ -144,7 +146,7 @@ def main(argv=None):
             tool.max_new_tokens = len(answers[0])  # the key's digits
         else:
             encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
-        problems = length_problems(tool, [len(ids) for ids in encoded])
+        problems = length_problems(tool, [len(ids) for ids in encoded], args)
         vocab = args.padded_vocab_size or args.vocab_size
         if vocab and encoded and max(max(ids, default=0) for ids in encoded) >= vocab:
             problems.append(f"the prompts hold token ids up to {max(max(ids, default=0) for ids in encoded)}, past the "
@@ -169,7 +171,10 @@ def main(argv=None):
             f"never trained on; quality may fall")
     if not args.load:
         say(f"note: no --load: generating from the random initialization of --seed {args.seed}")
-    trainer = Trainer(args)
+    try:
+        trainer = Trainer(args)
+    except ConfigError as e:  # known once the checkpoint is open: a model that is not the checkpoint's
+        exit_with_config_error("generate.py", e)
     generator = Generator(trainer)
     sampling = Sampling(temperature=tool.temperature, top_k=tool.top_k, top_p=tool.top_p, seed=args.seed)
     records = []

@@ -47,8 +47,11 @@ MODEL_ARG_GROUPS = ("network size", "attention", "mixture of experts")
 NOT_MODEL_ARGS = {"attention_backend", "attention_kernel", "use_flash_attn", "attention_softmax_in_fp32",
                   "cp_mla_exchange", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_shared_expert_overlap",
                   "moe_layer_recompute", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-                  "mtp_loss_scaling_factor", "hidden_dropout", "attention_dropout", "max_position_embeddings",
-                  "bf16", "init_method_std"}
+                  "mtp_loss_scaling_factor", "hidden_dropout", "attention_dropout", "bf16", "init_method_std"}
+# Restored only where the run does not give them (Megatron-LM's ``_set_arg`` without force): the sequence a
+# run trains or scores on may differ from the checkpoint's, but unset they are the checkpoint's, so a
+# learned position table is built at the size it was saved with.
+UNLESS_GIVEN = ("seq_length", "max_position_embeddings")
 
 
 def model_args(args):
@@ -58,13 +61,16 @@ def model_args(args):
     parser = build_parser()
     dests = {action.dest for group in parser._action_groups if group.title in MODEL_ARG_GROUPS
              for action in group._group_actions}
-    return {dest: getattr(args, dest) for dest in sorted(dests - NOT_MODEL_ARGS) if hasattr(args, dest)}
+    dests = (dests - NOT_MODEL_ARGS) | set(UNLESS_GIVEN)
+    return {dest: getattr(args, dest) for dest in sorted(dests) if hasattr(args, dest)}
 
 
 def apply_checkpoint_args(args, parser, tokens):
     """--use-checkpoint-args: the --load checkpoint's model flags onto ``args`` (before the derived
-    defaults are filled); the problems, if it cannot. ``tokens``: the run's flags. A value the command line gave that the checkpoint
-    overrides is said once, on rank 0 (Megatron-LM's flag overrides silently)."""
+    defaults are filled), as Megatron-LM's ``load_args_from_checkpoint``: every flag that shapes a tensor,
+    and --seq-length / --max-position-embeddings where the run gives none (`UNLESS_GIVEN`); the problems,
+    if it cannot. ``tokens``: the run's flags. A value the command line gave that the checkpoint overrides
+    is said once, on rank 0 (Megatron-LM's flag overrides silently)."""
     if not args.use_checkpoint_args:
         return []
     if not args.load:
@@ -79,6 +85,7 @@ def apply_checkpoint_args(args, parser, tokens):
                 f"give the model flags (or --config FILE.yaml) instead"]
     actions = parser._option_string_actions  # the flags this run gave (command line and --config YAML)
     given = {actions[t.split("=", 1)[0]].dest for t in tokens if t.split("=", 1)[0] in actions}
+    model = {name: value for name, value in model.items() if not (name in UNLESS_GIVEN and name in given)}
     overridden = [f"{name} {getattr(args, name)!r} -> {value!r}" for name, value in model.items()
                   if name in given and getattr(args, name) != value]
     if overridden and os.environ.get("RANK", "0") == "0":

@@ -95,6 +95,28 @@ def checkpoint_problems(args):
     return p
 
 
+def megatron_core_problem(root, iteration, saved):
+    """Why this megatron-core cannot read the checkpoint another one wrote (None if it can; a checkpoint
+    written by a newer one that reads is said once, as a note). meta.json names the writer from cp_ext
+    0.1 on megatron-core 0.17+; checkpoints without the field were written by 0.16.1."""
+    from cp_ext import MEGATRON_CORE_VERSION as running
+    from cp_ext.megatron_compat import unreadable_reason
+    from cp_ext.megatron_version import at_least
+
+    writer = saved.get("megatron_core") or "0.16.1"
+    if unreadable_reason(iteration_dir(root, iteration)):
+        return (f"--load {root}: iteration {iteration} was written by megatron-core {writer}, which keeps the "
+                f"checkpoint's plain values inside its torch_dist files (no common.pt); megatron-core {running}, "
+                f"installed here, cannot read that form. Load it with megatron-core 0.19 or later (pip install "
+                f"'megatron-core>=0.19,<0.20', Python 3.12), or with 0.16.1")
+    if writer != running and at_least(writer, running) and os.environ.get("RANK", "0") == "0":
+        import sys
+
+        print(f"note: --load {root}: iteration {iteration} was written by megatron-core {writer}; reading it with "
+              f"{running}", file=sys.stderr, flush=True)
+    return None
+
+
 def layout_problems(root, args):
     """Why the latest checkpoint under `root` cannot load with `args` (checked at parse time).
 
@@ -111,6 +133,9 @@ def layout_problems(root, args):
         return [f"--load {root}: iteration {iteration} was written by an earlier cp_ext in per-rank files "
                 f"(mp_rank_*/model_optim_rng.pt), which this version does not read; resume it with the cp_ext "
                 f"that wrote it, or start a new --save directory"]
+    version_problem = megatron_core_problem(root, iteration, saved)
+    if version_problem:
+        return [version_problem]
     model = saved.get("model")  # absent in checkpoints written before it was recorded
     if model:
         changed = [f"{flag} {getattr(args, name)} (checkpoint: {model[name]})"

@@ -14,8 +14,10 @@ parent waiting on a queue forever; cp_ext depends on psutil. The layout, Megatro
       iter_0000100/
         metadata.json, .metadata          dist_checkpointing's: backend, content metadata, tensor index
         common.pt                         plain values (rank 0): iteration, args, scheduler, Adam step
+                                          (megatron-core 0.19 writes them into the .distcp files instead)
         __<rank>_<i>.distcp               tensors: model, Adam moments, main params, RNG per rank
-        meta.json                         cp_ext's summary, read at parse time before any model exists
+        meta.json                         cp_ext's summary, read at parse time before any model exists,
+                                          with the megatron-core version that wrote the checkpoint
 
 What each part of training saves is its own business (`cp_ext.training.checkpoint_state`); this
 module decides what to save and load (Megatron's --no-load-optim, --no-load-rng, --finetune)
@@ -43,11 +45,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import merge
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+from cp_ext import MEGATRON_CORE_VERSION
 from cp_ext.arguments.attention import MLA_FLAGS
 from cp_ext.arguments.checkpointing import model_args
+from cp_ext.errors import ConfigError
+from cp_ext.megatron_compat import load_checkpoint
 from cp_ext.perf.memory import GRID_FLAGS as PLANNER_GRID_FLAGS
 from cp_ext.perf.model_shape import SHAPE_FLAGS
 from cp_ext.training.checkpoint_state import (
@@ -157,24 +161,11 @@ def _in_process_write_results():
         filesystem_async._results_queue = queue.Queue()
 
 
-class _CommonLoadWithout(TorchCommonLoadStrategy):
-    """common.pt without some top-level keys (kept aside in `self.dropped`): the optimizer's
-    plain values, in the saving run's layout, which `OptimizerState` moves into this one's."""
-
-    def __init__(self, drop=()):
-        super().__init__()
-        self.drop, self.dropped = tuple(drop), {}
-
-    def load_common(self, checkpoint_dir):
-        common = super().load_common(checkpoint_dir)
-        self.dropped = {k: common.pop(k) for k in self.drop if k in common}
-        return common
-
-
 def checkpoint_meta(args, iteration, consumed_samples, train_samples):
     """meta.json: what parse-time checks and a loading run need before reading any tensor (also written by
     tools/convert_hf.py's import, which trains nothing: 0 and 0)."""
-    return {"iteration": iteration, "format": "torch_dist", "world_size": dist.get_world_size(),
+    return {"iteration": iteration, "format": "torch_dist", "megatron_core": MEGATRON_CORE_VERSION,
+            "world_size": dist.get_world_size(),
             "grid": {name: getattr(args, name) for name in GRID_FLAGS},
             "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
             "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
@@ -290,16 +281,22 @@ class Checkpointer:
         cross_kind = "optimizer" in names and saved["optimizer_kind"] != optimizer_kind(args)
         torch.serialization.add_safe_globals([argparse.Namespace])  # Megatron-LM's `args` in common.pt
         try:
-            saved_keys = frozenset(dist_checkpointing.load_tensors_metadata(str(directory)))
-            ctx = self._context(saved=saved, saved_keys=saved_keys)
+            saved_tensors = dist_checkpointing.load_tensors_metadata(str(directory))
+            ctx = self._context(saved=saved, saved_keys=frozenset(saved_tensors))
             request = {}
             for name in names:
                 merge(request, self.components[name].sharded_state_dict_for_load(ctx))
-            common = _CommonLoadWithout(drop=("optimizer",))
+            mismatches = shape_mismatches(request.get("model", {}), saved_tensors)
+            if mismatches:
+                raise ConfigError(f"  - --load {root}: iteration {iteration} holds another model than this run "
+                                  f"builds:\n" + "\n".join(f"    {m}" for m in mismatches)
+                                  + "\n    give the saving run's model flags, or --use-checkpoint-args to take "
+                                    "them from the checkpoint")
             # Another optimizer kind reads the fp32 weights as its main params: the same tensor
             # twice, which the access-integrity check would refuse.
-            state = dist_checkpointing.load(request, str(directory), common_strategy=common,
-                                            validate_access_integrity=not cross_kind)
+            state = load_checkpoint(request, directory, validate_access_integrity=not cross_kind)
+        except ConfigError:  # the run's model or megatron-core, not the files: said as such
+            raise
         except pickle.UnpicklingError as e:
             raise CheckpointReadError(
                 f"{directory}: refused to load: it holds objects other than tensors and plain data "
@@ -311,7 +308,6 @@ class Checkpointer:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointReadError(f"{directory}: unreadable checkpoint (truncated or corrupt?): "
                                       f"{type(e).__name__}: {first}") from None
-        ctx.saved_optimizer_common = common.dropped.get("optimizer")
         for name in names:
             self.components[name].load_state_dict(state, ctx)
         if args.finetune:
@@ -329,72 +325,38 @@ class Checkpointer:
         return iteration
 
 
+# Which flags decide the shape of a tensor, by the tensor's checkpoint key: a mismatch names them.
+_SHAPE_FLAGS_BY_KEY = (
+    ("position_embeddings", "--max-position-embeddings (default: --seq-length)"),
+    ("word_embeddings", "--padded-vocab-size, --vocab-size or the tokenizer, --make-vocab-size-divisible-by"),
+    ("output_layer", "--padded-vocab-size, --vocab-size or the tokenizer, --make-vocab-size-divisible-by"),
+    ("router", "--num-experts, --hidden-size"),
+    ("shared_experts", "--moe-shared-expert-intermediate-size, --hidden-size, --swiglu"),
+    ("experts", "--num-experts, --moe-ffn-hidden-size, --hidden-size, --swiglu"),
+    ("linear_fc", "--ffn-hidden-size, --hidden-size, --swiglu"),
+    ("linear_qkv", "--num-attention-heads, --num-query-groups, --kv-channels, --hidden-size"),
+    ("linear_q", "--num-attention-heads, --hidden-size, --q-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim"),
+    ("linear_kv", "--kv-lora-rank, --qk-head-dim, --v-head-dim, --num-attention-heads"),
+    ("linear_proj", "--num-attention-heads, --kv-channels, --v-head-dim, --hidden-size"),
+    ("layernorm", "--hidden-size, --kv-channels, --normalization"),
+)
+
+
+def shape_mismatches(model_request, saved_tensors):
+    """Each model tensor whose global shape here differs from the checkpoint's: key, both shapes, the flags."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for t in nested_values(model_request):
+        if not isinstance(t, ShardedTensor) or t.key not in saved_tensors or t.key in out:
+            continue
+        here, there = tuple(t.global_shape), tuple(saved_tensors[t.key].global_shape)
+        if here != there:
+            flags = next((f for part, f in _SHAPE_FLAGS_BY_KEY if part in t.key), "the model flags")
+            out[t.key] = f"{t.key}: {list(there)} in the checkpoint, {list(here)} here (set by {flags})"
+    return list(out.values())
+
+
 class CheckpointReadError(RuntimeError):
     """A checkpoint that cannot be read: the message names the directory and what failed."""
-
-
-LOCK = ".cp_ext_save.lock"
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_save_lock(root):
-    """One job saves into a directory at a time (collective; call before building the model).
-
-    Rank 0 creates ``root/.cp_ext_save.lock`` naming its host and pid (``O_EXCL``). A lock whose
-    process is gone from this host is stale and taken over; a live one, or one from another host,
-    stops every rank with exit status 2 and one message naming the other job. Released by
-    `release_save_lock` (and left behind only by a killed job, where it is stale).
-    """
-    import socket
-    import sys
-
-    problem = None
-    if dist.get_rank() == 0:
-        root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
-        lock, me = root / LOCK, {"host": socket.gethostname(), "pid": os.getpid()}
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    other = json.loads(lock.read_text())
-                except (OSError, ValueError):
-                    other = {}
-                if other.get("host") == me["host"] and isinstance(other.get("pid"), int) and not _pid_alive(other["pid"]):
-                    lock.unlink(missing_ok=True)  # a killed job's lock: take it over
-                    continue
-                problem = (f"--save {root}: another job is saving there (host {other.get('host', '?')}, pid "
-                           f"{other.get('pid', '?')}, lock file {lock}); give this run its own --save directory, "
-                           f"or delete the lock file if that job is gone")
-                break
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            break
-    decision = [problem]
-    dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None:
-        if dist.get_rank() == 0:
-            print(f"pretrain_moe.py: configuration error:\n  - {decision[0]}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
-def release_save_lock(root):
-    if dist.get_rank() == 0:
-        lock = Path(root) / LOCK
-        try:
-            if json.loads(lock.read_text()).get("pid") == os.getpid():
-                lock.unlink()
-        except (OSError, ValueError):
-            pass
-
-

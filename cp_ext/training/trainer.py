@@ -23,22 +23,21 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.moe.moe_utils import (
-    clear_aux_losses_tracker,
-    get_moe_layer_wise_logging_tracker,
-    reduce_aux_losses_tracker_across_ranks,
-)
 
+from cp_ext import __version__
 from cp_ext import parallel_state as cp_state
 from cp_ext.arguments import ConfigError, evaluation_splits
 from cp_ext.arguments.implementations import implementation_note
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
+from cp_ext.megatron_version import versions_line
+from cp_ext.megatron_compat import reduced_moe_losses, reset_moe_loss_tracker, zero_moe_loss_tracker
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.models.mtp import MTPLosses
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
-from cp_ext.training.checkpointing import Checkpointer, acquire_save_lock, meta_to_load, release_save_lock
+from cp_ext.training.checkpoint_lock import acquire_save_lock, release_save_lock
+from cp_ext.training.checkpointing import Checkpointer, meta_to_load
 from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
 from cp_ext.training.logging import IterationLog, print_rank_0
 from cp_ext.training.metrics import MetricsLogger
@@ -156,6 +155,7 @@ class Trainer:
         self.args = args
         self.device = setup_platform(None if args.device == "auto" else args.device)
         initialize_distributed(args, self.device)
+        print_rank_0(versions_line(__version__))
         if args.save:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
         self.dataset = build_train_dataset(args, train_samples(args))
@@ -180,7 +180,7 @@ class Trainer:
         self.config = transformer_config_from_args(args)
         # megatron's MoE loss tracker is process-wide, sized by the first model's layers and keyed by its loss
         # names: a second Trainer in the process (tools, tests) starts from an empty one
-        get_moe_layer_wise_logging_tracker().clear()
+        reset_moe_loss_tracker()
         print_rank_0(attention_kernel_line(self.config, self.device))
         note = implementation_note(args, on_cpu=self.device.type == "cpu")
         if note:  # flags naming an implementation that does not run here, and what runs instead
@@ -188,7 +188,7 @@ class Trainer:
         model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
         # megatron's MoE loss tracker is process-wide and sized once, by the first model's layer count (with
         # MTP: --num-layers + --mtp-num-layers); a process that builds another model starts it afresh.
-        get_moe_layer_wise_logging_tracker().clear()
+        reset_moe_loss_tracker()
         MTPLosses.take(0, self.device)
         if args.bf16:
             model = Float16Module(self.config, model)
@@ -284,21 +284,19 @@ class Trainer:
 
     def _aux_losses(self):
         """Per-layer-averaged MoE aux losses, as megatron's `track_moe_metrics` reports them."""
-        tracker = get_moe_layer_wise_logging_tracker()
-        if not tracker:
+        # megatron logs rank 0's z loss only; the mean over all ranks is the layout-free value
+        everyone = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        tracked = reduced_moe_losses(average_over={"z_loss": everyone})
+        if not tracked:
             return {}
-        if "z_loss" in tracker:  # megatron logs rank 0's tokens only; the mean over all is the layout-free value
-            tracker["z_loss"]["avg_group"] = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        reduce_aux_losses_tracker_across_ranks()
         # megatron's count: the MoE layers of --moe-layer-freq (dense-first layers log no aux loss), plus MTP's
         freq, layers = self.config.moe_layer_freq, self.config.num_layers
         num_moe_layers = sum(freq) if isinstance(freq, list) else sum(1 for i in range(layers) if i % freq == 0)
         num_moe_layers += self.config.mtp_num_layers or 0
         out = {}
-        for name, entry in tracker.items():
-            values = entry["values"].float() / self.num_microbatches
-            out[name.replace("_", " ")] = (values.sum() / num_moe_layers).item()
-        clear_aux_losses_tracker()
+        for name, values in tracked.items():
+            out[name.replace("_", " ")] = (values.float().sum() / self.num_microbatches / num_moe_layers).item()
+        zero_moe_loss_tracker()
         return out
 
     def train(self):
@@ -397,10 +395,36 @@ class Trainer:
         dist.barrier()
         if self.args.save:
             release_save_lock(self.args.save)
+        _release_step_graphs(self.model)
+        # The optimizer's bound method on the model's config closes the other cycle through C++: the
+        # distributed optimizer's fp32 shards are views of the weights, with their autograd graph.
+        self.config.grad_scale_func = self.config.no_sync_func = None
+        for chunk in self.model:
+            chunk.grad_accs.clear()
         if not keep_process_group:
             cp_state.destroy_context_parallel()
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+def _release_step_graphs(model_chunks):
+    """Drop the autograd graphs megatron's modules keep from the last step, so a finished model can be freed
+    (`Trainer.shutdown`).
+
+    megatron's MoE token dispatchers keep the last step's routing tensors as attributes, with their
+    autograd graph. That graph reaches the parameters' gradient accumulators, whose hooks (megatron's
+    DDP) hold the model: a cycle through C++ that Python's garbage collector cannot see. Such a model,
+    and every process group it holds (each with gloo threads that poll), would live as long as the
+    process: a test or tool building trainers on 30 grids ended with 1,300 threads per rank and a load
+    average of 600 on 2 cores. Nothing of it is read after the step (the next forward sets them anew)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            holders = [module] + [v for v in vars(module).values()
+                                  if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]
+            for holder in holders:
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(holder, name, None)
 
 
 def _cp_attention(args):
