@@ -114,11 +114,14 @@ def destroy_grid() -> None:
     from megatron.core import parallel_state as mpu
     from torch.distributed import distributed_c10d as c10d
 
+    import gc
+
     destroy_context_parallel()
     mpu.destroy_model_parallel()
     for group in list(c10d._world.pg_map):  # torch has no public list of the groups a process made
         if group is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
+    gc.collect()  # the finished models' reference cycles hold the groups (`Trainer.shutdown`): end their threads now
 
 
 def _state() -> _ContextParallelState:

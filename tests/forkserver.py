@@ -5,7 +5,8 @@ and a test's training is about 1 s (`Trainer` init plus 3 iterations of the grid
 model); a 4-rank launch under torchrun took 32 s, 24 s of it imports. So the suite imports once,
 here, and forks: every rank is a copy-on-write child of this process with the modules loaded,
 running the script as the interpreter would (`runpy` as ``__main__``, its own ``sys.argv``,
-torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; an uncaught exception
+torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, with the run's TCPStore
+hosted by the job leader on a port the OS picked, as torchrun's agent hosts it; an uncaught exception
 goes through ``sys.excepthook``, so torch.distributed's ``[rankN]:`` prefix appears as in a real
 run; non-daemon threads are joined and ``atexit`` runs, so wandb and friends finish as they
 would), over real torch.distributed (gloo). What torchrun itself does, its own messages and its
@@ -31,7 +32,6 @@ import json
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,12 +48,6 @@ def _die_with_parent():
         pass
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_code(e):
     """The exit status a ``SystemExit(e.code)`` gives an interpreter (a message: printed, 1)."""
     if e.code is None or isinstance(e.code, int):
@@ -62,8 +56,9 @@ def _exit_code(e):
     return 1
 
 
-def _run_rank(request, rank, port):
-    """The body of one rank (a forked child): never returns."""
+def _run_rank(request, rank, port_pipe):
+    """The body of one rank (a forked child): never returns. ``port_pipe``: where the leader writes the
+    port of the run's store once it listens (`_lead`)."""
     import atexit
     import faulthandler
     import random
@@ -88,8 +83,14 @@ def _run_rank(request, rank, port):
         os.environ.update(request.get("env") or {})
         n = request["nproc"]
         if rank >= 0:
+            with os.fdopen(port_pipe, "r") as pipe:
+                port = pipe.readline().strip()
+            if not port:
+                raise SystemExit("forkserver: the job leader gave no store port")
+            # As under torchrun: the agent (here the leader) hosts the TCPStore and every rank is its client.
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                              GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                              GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                              TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
         if "OMP_NUM_THREADS" in os.environ:
             import torch
 
@@ -137,13 +138,30 @@ def _lead(request):
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the client's stack-dump signal is for the ranks
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     plain = request["nproc"] == 0
-    port = _free_port()
-    ranks = {}
+    ranks, port_pipes = {}, []
     for rank in [-1] if plain else range(request["nproc"]):
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _run_rank(request, rank, port)
+            for fd in [write_end, *port_pipes]:
+                os.close(fd)
+            _run_rank(request, rank, read_end)
+        os.close(read_end)
+        port_pipes.append(write_end)
         ranks[pid] = max(rank, 0)
+    # The run's TCPStore, hosted here as torchrun's agent hosts it: it listens on a port the OS picks
+    # (port 0), so no other process can take the port between choosing and binding it (a free port
+    # chosen, released and bound again later raced with suites running beside this one: EADDRINUSE).
+    # Made only now: the store's threads must not exist when the ranks are forked.
+    store = None
+    if not plain:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, world_size=request["nproc"], is_master=True, wait_for_workers=False)
+    for fd in port_pipes:
+        if store is not None:
+            os.write(fd, f"{store.port}\n".encode())
+        os.close(fd)
     with open(os.path.join(request["log_dir"], "pids.json"), "w") as f:
         json.dump({str(r): pid for pid, r in ranks.items()}, f)
     codes, failed_at = [None] * max(request["nproc"], 1), None
