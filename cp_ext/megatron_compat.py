@@ -31,6 +31,8 @@ row   what changed in megatron-core                since    cp_ext              
       ``get_moe_layer_wise_logging_tracker()``              `reduced_moe_losses`,                  (two models in one process)
       returns a copy                                        `zero_moe_loss_tracker`
 10    "GPTModel IS DEPRECATED" on every start      0.19     `quiet_gpt_model_deprecation`          tests/test_megatron_compat.py
+--    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py
+      ``--mtp-use-repeated-layer``                          (refused at parse time before 0.17)
 ====  ===========================================  =======  =====================================  ==========================================
 
 And in `cp_ext.platform`, two CPU/no-TE fixes are redundant from 0.17 on and skip themselves there:
@@ -52,6 +54,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cp_ext import MEGATRON_CORE_VERSION
 from cp_ext.errors import ConfigError
@@ -158,6 +161,17 @@ MTP_EMBEDDINGS_CARRY_PADDING_MASK = "padding_mask" in inspect.signature(
     multi_token_prediction.MultiTokenPredictionLayer._get_embeddings).parameters
 """0.18: ``MultiTokenPredictionLayer._get_embeddings`` takes and rolls a padding mask and returns
 (input_ids, position_ids, padding_mask, decoder_input, hidden_states) instead of four values."""
+
+
+MTP_REPEATED_LAYER = "mtp_use_repeated_layer" in TransformerConfig.__dataclass_fields__
+"""0.17: ``--mtp-use-repeated-layer`` (megatron's ``mtp_use_repeated_layer``): one MTP layer's weights for
+every depth. Older releases have no such field: the flag is refused there (`needs_release`)."""
+
+
+def needs_release(flag, release):
+    """The message for a flag this megatron-core does not have: the release that has it, and the fix."""
+    return (f"{flag} needs megatron-core {release} or later, and {MEGATRON_CORE_VERSION} is installed: pip install "
+            f"'megatron-core>={release},<0.20' (megatron-core 0.17 and later need Python >= 3.12), or drop {flag}")
 
 
 # ---------------------------------------------------------------- row 7: MLA's RoPE

@@ -138,3 +138,22 @@ def test_a_checkpoint_this_release_cannot_read_is_one_message(tmp_path):
     out = run_code(code).stdout
     assert "REFUSED" in out and "written by megatron-core 0.19.2" in out and "cannot read that form" in out, out
     assert "LOAD REFUSED" in out and "no common.pt" in out, out
+
+
+def test_a_flag_of_a_newer_release_is_refused_on_an_older_one():
+    """--mtp-use-repeated-layer is megatron-core 0.17's: before it, one message naming the release; from it,
+    megatron's own config field is set (tests/training/test_grid_equivalence.py trains with it)."""
+    from cp_ext.arguments import ConfigError, parse_args
+    from cp_ext.config import transformer_config_from_args
+    from cp_ext.megatron_compat import MTP_REPEATED_LAYER
+
+    argv = ["--mtp-num-layers", "2", "--mtp-use-repeated-layer"]
+    if not MTP_REPEATED_LAYER:
+        with pytest.raises(ConfigError, match=r"--mtp-use-repeated-layer needs megatron-core 0\.17 or later, and "
+                                              r"0\.16\.1 is installed: pip install 'megatron-core>=0\.17,<0\.20'"):
+            parse_args(argv, world_size=1)
+        return
+    assert transformer_config_from_args(parse_args(argv, world_size=1)).mtp_use_repeated_layer is True
+    assert transformer_config_from_args(parse_args(argv[:2], world_size=1)).mtp_use_repeated_layer is False
+    with pytest.raises(ConfigError, match="--mtp-use-repeated-layer is only read with --mtp-num-layers"):
+        parse_args(argv[2:], world_size=1)

@@ -57,6 +57,8 @@ def add_network_args(parser):
     g.add_argument("--mtp-num-layers", type=POSITIVE, default=None,
                    help="multi-token prediction (DeepSeek-V3): N extra layers, depth k predicting token i + 1 + k "
                         "(megatron-core's MTP block, its shifts across CP shards: cp_ext.models.mtp)")
+    g.add_argument("--mtp-use-repeated-layer", action="store_true",
+                   help="with --mtp-num-layers: one MTP layer's weights for every depth (megatron-core 0.17 and later)")
     g.add_argument("--mtp-loss-scaling-factor", type=number(float, 0), default=0.1,
                    help="with --mtp-num-layers: the weight of the MTP losses' mean over the depths in the loss")
     _add_position_embedding_args(g)
@@ -176,11 +178,17 @@ def network_problems(args):
 
 def _mtp_problems(args):
     if args.mtp_num_layers is None:
-        if args.mtp_loss_scaling_factor != 0.1:
-            return [f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} is only read with --mtp-num-layers; "
-                    f"add --mtp-num-layers N or drop it"]
+        if args.mtp_loss_scaling_factor != 0.1 or args.mtp_use_repeated_layer:
+            flag = ("--mtp-use-repeated-layer" if args.mtp_use_repeated_layer
+                    else f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor}")
+            return [f"{flag} is only read with --mtp-num-layers; add --mtp-num-layers N or drop it"]
         return []
     p = []
+    if args.mtp_use_repeated_layer:
+        from cp_ext.megatron_compat import MTP_REPEATED_LAYER, needs_release
+
+        if not MTP_REPEATED_LAYER:
+            p.append(needs_release("--mtp-use-repeated-layer", "0.17"))
     if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == "learned_absolute":
         # megatron-core builds the MTP layers on the last stage with a copy of the embedding; it keeps the word
         # embeddings' copies in sync (the embedding group), but the learned position table's only on the first

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 from cp_ext.perf.model_shape import (  # noqa: F401  (re-exported: the planner's one model description)
-    PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, params_per_layer, total_params,
+    PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, mtp_weight_layers, params_per_layer, total_params,
 )
 
 from cp_ext.perf.activations import layer_activation_elems, mla_takes_latent, outside_layers_bytes
@@ -221,8 +221,8 @@ def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:
     if stage == pp - 1:
         dense += (0 if m.tied_embeddings and pp == 1 else emb) + m.hidden
         mtp = mtp_layer_params(m)
-        dense += m.mtp_layers * mtp["dense"]
-        expert += m.mtp_layers * mtp["expert"]
+        dense += mtp_weight_layers(m) * mtp["dense"]
+        expert += mtp_weight_layers(m) * mtp["expert"]
     return {"dense": dense, "expert": expert}
 
 

@@ -37,7 +37,7 @@ SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "softmax_type",
     "untie_embeddings_and_output_weights", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "position_embedding_type", "mtp_num_layers")}
+    "position_embedding_type", "mtp_num_layers", "mtp_use_repeated_layer")}
 SHAPE_FLAGS["add_bias_linear"] = "--disable-bias-linear: add_bias_linear"  # the flag sets it False
 
 PatternLike = Optional[object]  # int (every N-th layer) or a 0/1 list per layer, as Megatron-LM parses them
@@ -75,6 +75,7 @@ class ModelShape:
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    mtp_repeated: bool = False  # --mtp-use-repeated-layer: one MTP layer's weights serve every depth
     # the router's scoring (what it saves for backward: `cp_ext.perf.activations.router_saved_bytes`)
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
@@ -147,6 +148,7 @@ class ModelShape:
             kv_lora_rank=args.kv_lora_rank if mla else 0, qk_head_dim=args.qk_head_dim if mla else 0,
             qk_pos_emb_head_dim=args.qk_pos_emb_head_dim if mla else 0, v_head_dim=args.v_head_dim if mla else 0,
             mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+            mtp_repeated=bool(getattr(args, "mtp_use_repeated_layer", False)),
             moe_router_score_function=args.moe_router_score_function,
             moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
             moe_aux_loss=bool(args.moe_aux_loss_coeff) and args.moe_router_load_balancing_type != "none",
@@ -215,6 +217,11 @@ def mtp_layer_params(m: ModelShape) -> Dict[str, int]:
     return {"dense": per["dense"] + 3 * norm * m.hidden + 2 * m.hidden * m.hidden, "expert": per["expert"]}
 
 
+def mtp_weight_layers(m: ModelShape) -> int:
+    """How many MTP layers hold weights: every depth its own, or one for all (--mtp-use-repeated-layer)."""
+    return min(m.mtp_layers, 1) if m.mtp_repeated else m.mtp_layers
+
+
 def params_per_layer(m: ModelShape) -> Dict[str, int]:
     """The mean layer's parameters (layers differ with --moe-layer-freq); `layer_params` gives each."""
     per = [layer_params(m, i) for i in range(m.layers)]
@@ -229,7 +236,7 @@ def outside_layers_params(m: ModelShape) -> int:
 
 def total_params(m: ModelShape) -> int:
     layers = sum(sum(layer_params(m, i).values()) for i in range(m.layers))
-    return layers + m.mtp_layers * sum(mtp_layer_params(m).values()) + outside_layers_params(m)
+    return layers + mtp_weight_layers(m) * sum(mtp_layer_params(m).values()) + outside_layers_params(m)
 
 
 def describe(m: ModelShape) -> str:
@@ -259,4 +266,4 @@ def active_params(m: ModelShape) -> int:
 
 
 __all__ = ["ModelShape", "PRESETS", "SHAPE_FLAGS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
-           "mtp_layer_params", "outside_layers_params", "params_per_layer", "total_params"]
+           "mtp_layer_params", "mtp_weight_layers", "outside_layers_params", "params_per_layer", "total_params"]

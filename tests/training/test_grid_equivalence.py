@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cp_ext.megatron_compat import MTP_REPEATED_LAYER
 from tests.families import FAMILIES, tiny
 from tests.launch import launch, worker_args, write_results
 
@@ -228,6 +229,12 @@ MTP_WITH = {
     "pp2_cp2_mtp_rope": ("cp1_mtp_rope", 4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
     "pp2_dp2_mtp_rope_untied": ("cp1_mtp_rope_untied", 4, ["--pipeline-model-parallel-size", "2"]),  # DeepSeek-V3's untied head
 }
+# One MTP layer's weights for both depths (--mtp-use-repeated-layer, megatron-core 0.17 and later)
+REPEATED = ["--mtp-use-repeated-layer"]
+if MTP_REPEATED_LAYER:
+    MTP_WITH["cp2_ring_mtp_repeated"] = ("cp1_mtp_repeated", 2, ["--context-parallel-size", "2"])
+    RUNS["cp1_mtp_repeated"] = (1, MTP_FLAGS + REPEATED, None)
+    RUNS["cp2_ring_mtp_repeated"] = (2, ["--context-parallel-size", "2"] + MTP_FLAGS + REPEATED, None)
 MTP_ROPE = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]  # MODEL's RoPE
 RUNS["cp1_mtp_docs"] = (1, MTP_FLAGS + DOC_FLAGS, "docs")
 RUNS["cp4_ulysses2_ring2_mtp_docs"] = (4, MTP_WITH["cp4_ulysses2_ring2_mtp_docs"][2] + MTP_FLAGS + DOC_FLAGS, "docs")
@@ -354,6 +361,16 @@ def test_multi_token_prediction_with_documents_and_mla_matches_single_process(la
     reference = runs(MTP_WITH[layout][0])
     assert {"mtp_1 loss", "mtp_2 loss"} <= set(reference[0]), sorted(reference[0])
     _assert_same(runs(layout), reference)
+
+
+@pytest.mark.skipif(not MTP_REPEATED_LAYER, reason="--mtp-use-repeated-layer needs megatron-core 0.17 or later "
+                                                  "(tests/test_megatron_compat.py checks the refusal)")
+def test_repeated_mtp_layer_shares_one_layer(runs):
+    """--mtp-use-repeated-layer: both depths run MTP layer 0 (no layer 1), and the model trains otherwise."""
+    (repeated, grads), (separate, separate_grads) = runs("cp1_mtp_repeated"), runs("cp1_mtp")
+    layers = {u.split(".")[2] for u in grads if u.startswith("mtp.layers.")}
+    assert layers == {"0"} and {u.split(".")[2] for u in separate_grads if u.startswith("mtp.layers.")} == {"0", "1"}
+    assert abs(repeated["mtp_2 loss"][1] - separate["mtp_2 loss"][1]) > 1e-4 * separate["mtp_2 loss"][1]
 
 
 def test_megatron_roll_is_off_on_contiguous_cp(runs):
