@@ -157,3 +157,17 @@ def test_a_flag_of_a_newer_release_is_refused_on_an_older_one():
     assert transformer_config_from_args(parse_args(argv[:2], world_size=1)).mtp_use_repeated_layer is False
     with pytest.raises(ConfigError, match="--mtp-use-repeated-layer is only read with --mtp-num-layers"):
         parse_args(argv[2:], world_size=1)
+
+
+@pytest.mark.quick
+def test_startup_names_the_versions_and_no_deprecation_notice(tmp_path):
+    """The first line a run prints names cp_ext, megatron-core, torch and Python; megatron 0.19's "GPTModel
+    IS DEPRECATED" is not printed (cp_ext builds GPTModel on purpose: megatron_compat, row 10)."""
+    from cp_ext import MEGATRON_CORE_VERSION
+    from tests.launch import REPO_ROOT, run_script
+
+    proc = run_script(0, REPO_ROOT / "pretrain_moe.py", "--num-layers", "1", "--hidden-size", "16",
+                      "--num-attention-heads", "2", "--seq-length", "16", "--global-batch-size", "1",
+                      "--train-iters", "1", "--log-dir", tmp_path, timeout=300)
+    assert f"on megatron-core {MEGATRON_CORE_VERSION}, torch " in proc.stdout.splitlines()[0], proc.stdout[:500]
+    assert "DEPRECATED" not in proc.stderr + proc.stdout, proc.stderr[-2000:]

@@ -120,6 +120,7 @@ MLA = {
     "cp1_mla": (1, []),
     "cp2_ring_mla": (2, ["--context-parallel-size", "2"]),
     "cp2_ring_mla_kv": (2, ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"]),
+    "tp2sp_mla": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # MLA's own TP projections
     "cp2_all_gather_mla": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--cp-mla-exchange",
                                "latent"]),
     "cp4_ulysses2_ring2_mla": (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
