@@ -5,32 +5,35 @@ the feature where megatron-core's API shows it (a parameter, a field, a module),
 only where nothing in the API does. When 0.16.1 is dropped, each ``# 0.16`` branch below is what goes.
 
 ====  ===========================================  =======  =====================================  ==========================================
-row   what changed in megatron-core                since    cp_ext                                 test that fails without it
+row   what changed in megatron-core                since    cp_ext                                 test that fails without it (on 0.19)
 ====  ===========================================  =======  =====================================  ==========================================
-1     ``datasets.megatron_tokenizer`` removed;     0.17     tokenizers subclass                    tests/data/test_loader.py (any import of
-      datasets type against                                 ``tokenizers.MegatronTokenizerBase``,  cp_ext.data)
+1     ``datasets.megatron_tokenizer`` removed;     0.17     tokenizers subclass                    tests/data/test_loader.py
+      datasets type against                                 ``tokenizers.MegatronTokenizerBase``,
       ``tokenizers.MegatronTokenizerBase``                  which 0.16.1 has too
-2     ``TorchCommonLoadStrategy`` and              0.17 /   `load_checkpoint`,                     tests/training/test_megatron_compat.py
-      ``load(common_strategy=)`` removed; the      0.19     `read_common_state`,                   (resume; a checkpoint of the other
-      common state moves from ``common.pt`` into            `COMMON_STATE_EMBEDDED_ON_SAVE`,       format), tests/training/test_resume.py
+2     ``TorchCommonLoadStrategy`` and              0.17 /   `load_checkpoint`,                     tests/training/test_resume.py;
+      ``load(common_strategy=)`` removed; the      0.19     `read_common_state`,                   test_checkpoint_across_versions.py
+      common state moves from ``common.pt`` into            `COMMON_STATE_EMBEDDED_ON_SAVE`,       (on 0.16.1: 0.19's form)
       the torch_dist files                                  `READS_EMBEDDED_COMMON_STATE`
-3     the MoE spec's mlp and experts are           0.18     `spec_parts`                           every MoE model test
-      ``functools.partial``, not ``ModuleSpec``
+3     the MoE spec's mlp and experts are           0.18     `spec_parts`                           tests/test_megatron_compat.py (seats),
+      ``functools.partial``, not ``ModuleSpec``                                                    every MoE model test
 4     ``MultiTokenPredictionLayerSubmodules.       0.17 /   `MTP_INNER_LAYER_FIELD`,               tests/transformer/test_mtp_roll.py,
       transformer_layer`` -> ``mtp_model_layer``;  0.18     `MTP_EMBEDDINGS_CARRY_PADDING_MASK`    the MTP grid cases
       ``_get_embeddings`` returns the padding mask
-5     ``MLASelfAttention.__init__`` takes          0.18     the subclass passes keywords through   every MLA test
+5     ``MLASelfAttention.__init__`` takes          0.18     the subclass passes keywords through   the MLA grid cases
       ``pp_layer_offset`` and ``name``                      (`cp_ext.transformer.mla`)
-6     MLA's q/kv-norm resolver refuses a q norm    0.19     no q norm seat without q-LoRA (0.16.1  DeepSeek-V2-Lite's family test
-      without q-LoRA                                        never builds it either; models.gpt_moe)
-7     ``apply_rotary_pos_emb`` no longer infers    0.19     `MLA_ROPE_KWARGS`                      tests/training/test_megatron_compat.py
-      MLA's interleaving from the config                                                           (MLA gradients at CP2 ring and TP2)
-8     the router scales the aux and z losses by    0.19     `ROUTER_SCALES_AUX_LOSS_BY_TP_CP`      tests/training/test_megatron_compat.py
-      the TP x CP group size itself                         (cp_ext.config)                        (CP2 and DP2 grad norms)
-9     the MoE loss tracker is an object;           0.18     `reset_moe_loss_tracker`,              tests/training/test_megatron_compat.py
-      ``get_moe_layer_wise_logging_tracker()``              `reduced_moe_losses`,                  (two models in one process)
+6     MLA's q/kv-norm resolver wants a fused       0.19     a plain ``linear_q_proj`` without      tests/test_families.py (DeepSeek-V2-Lite)
+      norm on ``linear_q_proj`` without q-LoRA              q-LoRA, as 0.16.1 (`transformer.mla`)
+7     ``apply_rotary_pos_emb`` no longer infers    0.19     `MLA_ROPE_KWARGS`                      the MLA grid cases (cp2_ring_mla,
+      MLA's interleaving from the config                                                           tp2sp_mla: every gradient vs CP1)
+8     the router scales the aux and z losses by    0.19     `ROUTER_SCALES_AUX_LOSS_BY_TP_CP`      tests/training/test_router_flags.py
+      the TP x CP group size itself                         (cp_ext.config)                        (CP2 vs DP2, aux and z losses)
+9     the MoE loss tracker is an object;           0.18     `reset_moe_loss_tracker`,              tests/test_megatron_compat.py
+      ``get_moe_layer_wise_logging_tracker()``              `reduced_moe_losses`,                  (a second, deeper model)
       returns a copy                                        `zero_moe_loss_tracker`
-10    "GPTModel IS DEPRECATED" on every start      0.19     `quiet_gpt_model_deprecation`          tests/test_megatron_compat.py
+10    "GPTModel IS DEPRECATED" on every start      0.19     `quiet_gpt_model_deprecation`          tests/test_megatron_compat.py (startup)
+--    param groups matched on load by their        0.19     the checkpoint's values put back       tests/training/test_checkpoint_safety.py
+      schedule values too (``max_lr``, ...)                 after the match (training.             (a resume with a new --lr)
+                                                            checkpoint_state)
 --    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py
       ``--mtp-use-repeated-layer``                          (refused at parse time before 0.17)
 ====  ===========================================  =======  =====================================  ==========================================

@@ -171,3 +171,23 @@ def test_startup_names_the_versions_and_no_deprecation_notice(tmp_path):
                       "--train-iters", "1", "--log-dir", tmp_path, timeout=300)
     assert f"on megatron-core {MEGATRON_CORE_VERSION}, torch " in proc.stdout.splitlines()[0], proc.stdout[:500]
     assert "DEPRECATED" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_second_model_in_one_process_tracks_its_own_moe_losses():
+    """megatron's MoE loss tracker is process-wide and sized by the first model's layers; a Trainer starts
+    it afresh (on 0.18+ through the tracker object: the old getter returns a copy, whose clear() does
+    nothing, and a deeper second model then fails with an IndexError in megatron's moe_logging)."""
+    code = """
+        from cp_ext.arguments import parse_args, single_process_without_torchrun
+        single_process_without_torchrun()
+        from cp_ext.training.trainer import Trainer
+        flags = ["--hidden-size", "16", "--num-attention-heads", "2", "--num-experts", "2", "--seq-length", "16",
+                 "--global-batch-size", "1", "--train-iters", "1"]
+        for layers in ("1", "3"):
+            trainer = Trainer(parse_args(flags + ["--num-layers", layers]))
+            metrics = trainer.train_step()
+            print("LAYERS", layers, "load balancing loss" in metrics)
+            trainer.shutdown(keep_process_group=True)
+    """
+    out = run_code(code).stdout
+    assert "LAYERS 1 True" in out and "LAYERS 3 True" in out, out
