@@ -17,7 +17,7 @@ for the ring, U = C for Ulysses) megatron's CP group object is reused.
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
@@ -34,6 +34,9 @@ class _ContextParallelState:
 
 
 _STATE: Optional[_ContextParallelState] = None
+# What leaving the grid must also release: objects built on its groups that Python's garbage
+# collector cannot free alone (`on_grid_destroy`).
+_ON_DESTROY: List[Callable[[], None]] = []
 
 
 def _new_group(ranks, cp_ranks, cp_group, desc, timeout):
@@ -94,9 +97,18 @@ def initialized_grid():
 
 
 def destroy_context_parallel() -> None:
-    """Forget the sub-groups (megatron's destroy_model_parallel / destroy_process_group frees them)."""
+    """Forget the sub-groups (megatron's destroy_model_parallel / destroy_process_group frees them),
+    and release what was built on them (`on_grid_destroy`)."""
     global _STATE
     _STATE = None
+    while _ON_DESTROY:
+        _ON_DESTROY.pop()()
+
+
+def on_grid_destroy(release: Callable[[], None]) -> None:
+    """Run ``release`` when this grid is left (`destroy_grid`, `destroy_context_parallel`): a trainer built on the grid drops
+    what holds its groups, so their gloo threads end even if nobody called its ``shutdown``."""
+    _ON_DESTROY.append(release)
 
 
 def destroy_grid() -> None:
@@ -108,8 +120,9 @@ def destroy_grid() -> None:
     per grid of 4 ranks, and they poll: 3 training steps took 3.7 s with none left over, 6.2 s
     after 7 grids) end only when the last reference goes, and a model megatron's DDP wrapped is
     never freed (its gradient hooks hold it from autograd's side, out of the garbage collector's
-    reach). So a process that builds many trainers should build them on one grid where it can:
-    `cp_ext.training.trainer.initialize_distributed` reuses a grid that matches.
+    reach). Trainers register their release (`on_grid_destroy`), so leaving a grid frees the models
+    built on it even when nobody shut them down. A process that builds many trainers still does best
+    to build them on one grid: `cp_ext.training.trainer.initialize_distributed` reuses a grid that matches.
     """
     from megatron.core import parallel_state as mpu
     from torch.distributed import distributed_c10d as c10d

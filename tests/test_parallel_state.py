@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.launch import launch, run_code, worker_args, write_results  # noqa: E402
 
 NPROC = 8
 
@@ -212,6 +212,29 @@ def test_a_matching_grid_is_reused_and_another_replaces_it(results):
         assert got["cp_sizes"] == [4, 4, 8, 4]
         a, again, b, back = got["group_counts"]
         assert again == a and back == a, got["group_counts"]
+
+
+def test_leaving_a_grid_frees_the_trainers_built_on_it():
+    """A trainer nobody shut down is freed when its grid is left (a test or tool building trainers
+    on many grids): otherwise megatron's DDP hooks keep its model, and the model its gloo groups with
+    their polling threads, for the life of the process (`cp_state.on_grid_destroy`)."""
+    code = """
+        import gc, weakref
+        from cp_ext.arguments import parse_args, single_process_without_torchrun
+        single_process_without_torchrun()
+        from cp_ext.training.trainer import Trainer
+        flags = ["--hidden-size", "16", "--num-attention-heads", "2", "--num-experts", "2", "--seq-length", "16",
+                 "--global-batch-size", "1", "--train-iters", "2", "--num-layers", "1"]
+        trainer = Trainer(parse_args(flags))
+        trainer.train_step()
+        first = weakref.ref(trainer.model[0])
+        trainer = Trainer(parse_args(flags + ["--distributed-timeout-minutes", "3"]))  # another grid
+        gc.collect()
+        print("FIRST FREED", first() is None)
+        print("SECOND TRAINS", trainer.train_step()["lm loss"] > 0)
+    """
+    out = run_code(code).stdout
+    assert "FIRST FREED True" in out and "SECOND TRAINS True" in out, out
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ exact on CPU/gloo too: tests/training/test_overlap.py).
 """
 
 import time
+import weakref
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -155,6 +157,8 @@ class Trainer:
         self.args = args
         self.device = setup_platform(None if args.device == "auto" else args.device)
         initialize_distributed(args, self.device)
+        # Held weakly: the registry must not be what keeps a finished trainer alive.
+        cp_state.on_grid_destroy(partial(_release_if_alive, weakref.ref(self)))
         print_rank_0(versions_line(__version__))
         if args.save:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
@@ -395,16 +399,31 @@ class Trainer:
         dist.barrier()
         if self.args.save:
             release_save_lock(self.args.save)
-        _release_step_graphs(self.model)
-        # The optimizer's bound method on the model's config closes the other cycle through C++: the
-        # distributed optimizer's fp32 shards are views of the weights, with their autograd graph.
-        self.config.grad_scale_func = self.config.no_sync_func = None
-        for chunk in self.model:
-            chunk.grad_accs.clear()
+        self._release_model()
         if not keep_process_group:
             cp_state.destroy_context_parallel()
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
+
+    def _release_model(self):
+        """Break the cycles through C++ that would keep this model, and the process groups it holds,
+        alive after the Trainer is dropped (`_release_step_graphs`). Run by `shutdown`, and when the
+        grid is left (`cp_state.on_grid_destroy`), so a trainer nobody shut down is freed too."""
+        model, config = getattr(self, "model", None), getattr(self, "config", None)
+        if model is not None:
+            _release_step_graphs(model)
+            for chunk in model:
+                chunk.grad_accs.clear()
+        if config is not None:
+            # The optimizer's bound method on the model's config closes the other cycle through C++: the
+            # distributed optimizer's fp32 shards are views of the weights, with their autograd graph.
+            config.grad_scale_func = config.no_sync_func = None
+
+
+def _release_if_alive(trainer_ref):
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer._release_model()
 
 
 def _release_step_graphs(model_chunks):
