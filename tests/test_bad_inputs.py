@@ -9,7 +9,6 @@ is printed once, by rank 0. The README's reliability section reports this table'
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -110,9 +109,7 @@ def _run(cmd, tmp_path, yaml_text=None, env=None):
         cmd = cmd + ["--config", str(config)]
     run_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     run_env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO_ROOT), **(env or {})})
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=run_env, timeout=120)
-    return proc, time.perf_counter() - start
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=run_env, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +125,7 @@ def outcomes(tmp_path_factory, crafted_checkpoint):
         if yaml_text is not None:
             (tmp / "run.yaml").write_text(yaml_text)
             argv += ["--config", str(tmp / "run.yaml")]
-        start = time.perf_counter()
-        proc = run_script(0, REPO_ROOT / "pretrain_moe.py", *argv, check=False, timeout=120, cwd=tmp)
-        return case, (proc, time.perf_counter() - start)
+        return case, run_script(0, REPO_ROOT / "pretrain_moe.py", *argv, check=False, timeout=120, cwd=tmp)
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(one, CASES))
@@ -139,14 +134,13 @@ def outcomes(tmp_path_factory, crafted_checkpoint):
 @pytest.mark.quick
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_gets_one_clear_message(outcomes, case):
-    (proc, seconds), must_name = outcomes[case], CASES[case][2]
+    proc, must_name = outcomes[case], CASES[case][2]
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("pretrain_moe.py: configuration error") == 1, proc.stderr
     for text in must_name:
         assert text in proc.stderr, f"{text!r} missing from:\n{proc.stderr}"
-    assert seconds < 30, f"{case} took {seconds:.1f} s"
-    assert "iteration" not in proc.stdout  # refused before any training
+    assert "iteration" not in proc.stdout  # refused before any training (a hang fails run_script's timeout)
 
 
 @pytest.mark.parametrize("case", ["heads-0", "yaml-device-gpu", "train-iters-below-checkpoint"])
@@ -155,8 +149,8 @@ def test_torchrun_prints_the_message_once(tmp_path, case, crafted_checkpoint):
     argv = [a.replace("{ckpt}", str(crafted_checkpoint(tmp_path / "ckpt", 5))) for a in argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO_ROOT / "pretrain_moe.py"), *argv]
-    proc, seconds = _run(cmd, tmp_path, yaml_text)
-    assert proc.returncode != 0 and seconds < 30
+    proc = _run(cmd, tmp_path, yaml_text)  # a rank left waiting would hang past _run's timeout and fail
+    assert proc.returncode != 0 and "iteration" not in proc.stdout
     assert proc.stderr.count("pretrain_moe.py: configuration error") == 1, proc.stderr
     assert must_name[0] in proc.stderr and "[rank0]: Traceback" not in proc.stderr
 
@@ -169,11 +163,11 @@ def test_unsupported_megatron_core_is_refused(tmp_path, version):
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n")
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO_ROOT)])}
-    proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py")], tmp_path, env=env)
+    proc = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py")], tmp_path, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("pretrain_moe.py:") == 1, proc.stderr
     assert f"supports megatron-core 0.16.1 through 0.19.x, but {version} is installed" in proc.stderr
     assert "pip install 'megatron-core>=0.16.1,<0.20'" in proc.stderr
-    proc, _ = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), "--help"], tmp_path,
+    proc = _run([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), "--help"], tmp_path,
                    env={**env, "CP_EXT_ALLOW_MEGATRON_CORE": version})
     assert proc.returncode == 0, proc.stderr  # the documented way to try another version
