@@ -28,7 +28,7 @@ def main(argv=None):
         _fail_once(str(e), 2)
     single_process_without_torchrun()
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
-    from cp_ext.training.checkpointing import CheckpointReadError
+    from cp_ext.checkpoint.checkpointer import CheckpointReadError
     from cp_ext.training.trainer import Trainer
 
     try:

@@ -32,8 +32,8 @@ row   what changed in megatron-core                since    cp_ext              
       returns a copy                                        `zero_moe_loss_tracker`
 10    "GPTModel IS DEPRECATED" on every start      0.19     `quiet_gpt_model_deprecation`          tests/test_megatron_compat.py (startup)
 --    param groups matched on load by their        0.19     the checkpoint's values put back       tests/training/test_checkpoint_safety.py
-      schedule values too (``max_lr``, ...)                 after the match (training.             (a resume with a new --lr)
-                                                            checkpoint_state)
+      schedule values too (``max_lr``, ...)                 after the match (checkpoint.           (a resume with a new --lr)
+                                                            state)
 --    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py
       ``--mtp-use-repeated-layer``                          (refused at parse time before 0.17)
 ====  ===========================================  =======  =====================================  ==========================================

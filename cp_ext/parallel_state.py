@@ -30,7 +30,7 @@ class _ContextParallelState:
     ulysses_ranks: List[int]
     ring_group: dist.ProcessGroup
     ring_ranks: List[int]
-    grid: Optional[tuple] = None  # what built the groups (initialize_distributed reuses a match)
+    grid: Optional[tuple] = None  # what built the groups (`cp_ext.grid.Grid.initialize` keeps a match)
 
 
 _STATE: Optional[_ContextParallelState] = None
@@ -122,7 +122,7 @@ def destroy_grid() -> None:
     never freed (its gradient hooks hold it from autograd's side, out of the garbage collector's
     reach). Trainers register their release (`on_grid_destroy`), so leaving a grid frees the models
     built on it even when nobody shut them down. A process that builds many trainers still does best
-    to build them on one grid: `cp_ext.training.trainer.initialize_distributed` reuses a grid that matches.
+    to build them on one grid: `cp_ext.grid.Grid.initialize` keeps a grid that matches.
     """
     from megatron.core import parallel_state as mpu
     from torch.distributed import distributed_c10d as c10d

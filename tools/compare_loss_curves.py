@@ -48,9 +48,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_KEY = "train/lm_loss"
-LM_KEY = "train/lm_loss"
-AUX_KEY = "train/load_balancing_loss"
+from cp_ext.training.metric_names import AUX_KEY, LM_KEY  # the names the trainer logs under
+
+DEFAULT_KEY = LM_KEY
 EXIT_AGREE, EXIT_DISAGREE, EXIT_BAD_INPUT = 0, 1, 2
 STEP_FIELDS = ("iteration", "_step", "step")
 # Not compared across runs: speed and memory differ between grids by design.

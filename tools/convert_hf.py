@@ -21,7 +21,6 @@ HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert
 import argparse
 import itertools
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -69,12 +68,6 @@ def _staging(final):
     return tmp
 
 
-def _publish(tmp, final):
-    if final.exists():
-        final.rmdir()  # empty: `_fresh` checked
-    os.replace(tmp, final)
-
-
 def _start(argv_flags, device_flags=("--device", "cpu", "--train-iters", "1")):
     """Parse pretrain_moe.py's flags and start this rank's process groups (one process without torchrun)."""
     single_process_without_torchrun()
@@ -97,11 +90,11 @@ def _gather(value):
 def _check_mapping(hf, adapter, model):
     """Map every unit this rank holds on headers alone (names and shapes, no data), then check on all ranks
     together that every HF tensor was used: all before anything is written."""
-    from cp_ext.models.layout import _flatten
+    from cp_ext.models.layout import sharded_tensors
 
     shapes, problem = hf.shapes_only(), None
     try:
-        for t in _flatten(model.sharded_state_dict()):
+        for t in sharded_tensors(model.sharded_state_dict()):
             p = t.prepend_axis_num
             for offsets in itertools.product(*map(range, t.global_shape[:p])):  # each layer (expert) of a stack
                 unit, want = ".".join(map(str, (t.key, *offsets))), tuple(t.global_shape[p:])
@@ -135,8 +128,10 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from cp_ext.hf.streaming import meta_model, save_streaming
-    from cp_ext.training.checkpoint_state import CONTENT_METADATA
-    from cp_ext.training.checkpointing import META, TRACKER, checkpoint_meta, iteration_dir
+    from cp_ext.arguments import model_args
+    from cp_ext.checkpoint.checkpointer import checkpoint_meta
+    from cp_ext.checkpoint.layout import iteration_dir, publish_root, write_meta, write_tracker
+    from cp_ext.checkpoint.state import CONTENT_METADATA
 
     model = meta_model(args)
     _check_mapping(hf, adapter, model)
@@ -161,11 +156,11 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
         raise HFError(str(failures[0]).strip().splitlines()[-1]) from None
     reads = _gather(sorted(adapter.used))  # what each rank read: the HF tensors of the chunks it wrote
     if rank0:
-        meta = checkpoint_meta(args, 0, 0, 0)
+        meta = checkpoint_meta(args, 0, 0, 0, model_args(args))
         meta["weights_only"] = f"tools/convert_hf.py import of {hf.dir}"
         meta["hf_tensors_read"] = {"per_rank": [len(r) for r in reads], "distinct": len(set().union(*map(set, reads)))}
-        (iteration_dir(tmp, 0) / META).write_text(json.dumps(meta, indent=1))
-        (tmp / TRACKER).write_text("0\n")
+        write_meta(iteration_dir(tmp, 0), meta)
+        write_tracker(tmp, 0)
         kept = tmp / HF_FILES
         kept.mkdir()
         for name in ("config.json",) + TOKENIZER_FILES:
@@ -173,7 +168,7 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
                 shutil.copy(hf.dir / name, kept / name)
         (tmp / MODEL_YAML).write_text(f"# {hf.config['architectures'][0]} from {hf.dir} (tools/convert_hf.py import)\n"
                                       + "\n".join(yaml_lines(flags)) + "\n")
-        _publish(tmp, save)
+        publish_root(tmp, save)
         print(f"convert_hf: {hf.config['architectures'][0]} -> {save} (weights; start from them with --finetune); "
               f"model flags in {save / MODEL_YAML}", flush=True)
     dist.barrier()
@@ -208,7 +203,7 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None):
     from safetensors.torch import save_file
 
     from cp_ext.hf.streaming import load_units, meta_model
-    from cp_ext.training.checkpointing import iteration_dir, latest_iteration
+    from cp_ext.checkpoint.layout import iteration_dir, latest_iteration, publish_root
 
     quantized = config.pop("quantization_config", None)  # the import dequantized: the export is not quantized
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
@@ -247,7 +242,7 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _publish(tmp, out)
+    publish_root(tmp, out)
     note = f" (dequantized: config.json's {quantized.get('quant_method')} quantization_config dropped)" if quantized else ""
     print(f"convert_hf: {load} -> {out}: {len(weight_map)} tensors in {count} shard(s), {total / 2 ** 20:.1f} MiB{note}",
           flush=True)

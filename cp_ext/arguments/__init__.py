@@ -12,7 +12,7 @@ with its flags, the defaults that depend on other flags, and its rules:
     MoE          cp_ext.arguments.moe              experts, layer pattern, shared experts, router
     parallelism  cp_ext.arguments.parallel         TP x PP x CP x DP (x EP), Ulysses x ring, device
     training     cp_ext.arguments.training         batches, schedule, Adam, recompute
-    data         cp_ext.data.arguments             datasets, splits, evaluation, tokenizer, documents
+    data         cp_ext.arguments.data             datasets, splits, evaluation, tokenizer, documents
     logging      cp_ext.arguments.logging          run directory, wandb, TensorBoard
     checkpoints  cp_ext.arguments.checkpointing
     (others)     cp_ext.arguments.implementations  numerically equal implementation choices
@@ -28,7 +28,10 @@ import time
 from cp_ext import __version__
 from cp_ext.arguments.attention import ATTENTION_BACKENDS  # noqa: F401 (re-exported)
 from cp_ext.arguments.attention import add_attention_group, attention_problems, fill_attention_defaults
-from cp_ext.arguments.checkpointing import add_checkpoint_args, apply_checkpoint_args, checkpoint_flag_problems
+from cp_ext.arguments.data import add_data_args, data_problems, evaluation_splits, split_weights  # noqa: F401 (re-exported)
+from cp_ext.arguments.checkpointing import (
+    MODEL_ARG_GROUPS, NOT_MODEL_ARGS, UNLESS_GIVEN, add_checkpoint_args, apply_checkpoint_args, checkpoint_flag_problems,
+)
 from cp_ext.arguments.implementations import add_implementation_args, modelopt_flags, modelopt_problem
 from cp_ext.arguments.logging import add_logging_args, logging_problems
 from cp_ext.arguments.moe import add_moe_args, fill_moe_defaults, moe_problems
@@ -36,7 +39,7 @@ from cp_ext.arguments.network import add_network_args, fill_network_defaults, ne
 from cp_ext.arguments.parallel import add_parallel_args, fill_parallel_defaults, parallel_problems, runs_on_cpu
 from cp_ext.arguments.training import add_recompute_args, add_training_args, fill_training_defaults, training_problems
 from cp_ext.arguments.yaml_config import read_yaml, yaml_tokens
-from cp_ext.data.arguments import add_data_args, data_problems, evaluation_splits, split_weights  # noqa: F401 (re-exported)
+from cp_ext.console import exit_with_config_error  # noqa: F401 (re-exported: tools import it from here)
 from cp_ext.errors import ConfigError
 from cp_ext.megatron_version import versions_line
 from cp_ext.flag_types import FRACTION, NON_NEGATIVE, POSITIVE, ArgumentParser, RunArgs, number  # noqa: F401 (re-exported)
@@ -96,13 +99,22 @@ def _fill_derived(args):
         args.log_dir = os.path.join("runs", args.wandb_exp_name or time.strftime("run-%Y%m%d-%H%M%S"))
 
 
+def model_args(args):
+    """The model's own flags (dest: value) of a parsed run, for meta.json and --use-checkpoint-args."""
+    parser = build_parser()
+    dests = {action.dest for group in parser._action_groups if group.title in MODEL_ARG_GROUPS
+             for action in group._group_actions}
+    dests = (dests - NOT_MODEL_ARGS) | set(UNLESS_GIVEN)
+    return {dest: getattr(args, dest) for dest in sorted(dests) if hasattr(args, dest)}
+
+
 def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = parallel_problems(args) + network_problems(args) + moe_problems(args)
     p += attention_problems(args) + training_problems(args) + data_problems(args) + checkpoint_flag_problems(args)
     p += logging_problems(args)
     if (args.load or args.save or args.finetune) and not p:
-        from cp_ext.training.checkpoint_checks import checkpoint_problems
+        from cp_ext.checkpoint.checks import checkpoint_problems
 
         p.extend(checkpoint_problems(args))
     return p
@@ -119,16 +131,6 @@ def single_process_without_torchrun():
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 
 
-def exit_with_config_error(prog, error):
-    """Print a ConfigError once (rank 0) and exit with status 2 on every rank."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: configuration error:\n{error}", file=sys.stderr, flush=True)
-    else:
-        # torchrun ends every rank once one exits; give rank 0 time to print first.
-        time.sleep(5)
-    sys.exit(2)
-
-
 def parse_args_or_exit(argv=None):
     """`parse_args`, but a ConfigError prints once (rank 0) and exits with status 2 on every rank."""
     try:
@@ -140,5 +142,5 @@ def parse_args_or_exit(argv=None):
 
 # What other modules import from here (the flag types and data helpers live in their own modules).
 __all__ = ["ATTENTION_BACKENDS", "ConfigError", "FRACTION", "NON_NEGATIVE", "POSITIVE", "RunArgs", "number",
-           "build_parser", "evaluation_splits", "exit_with_config_error", "parse_args", "parse_args_or_exit",
+           "build_parser", "evaluation_splits", "exit_with_config_error", "model_args", "parse_args", "parse_args_or_exit",
            "single_process_without_torchrun", "split_weights", "validate_args"]

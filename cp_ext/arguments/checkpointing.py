@@ -54,17 +54,6 @@ NOT_MODEL_ARGS = {"attention_backend", "attention_kernel", "use_flash_attn", "at
 UNLESS_GIVEN = ("seq_length", "max_position_embeddings")
 
 
-def model_args(args):
-    """The model's own flags (dest: value) of a parsed run, for meta.json and --use-checkpoint-args."""
-    from cp_ext.arguments import build_parser
-
-    parser = build_parser()
-    dests = {action.dest for group in parser._action_groups if group.title in MODEL_ARG_GROUPS
-             for action in group._group_actions}
-    dests = (dests - NOT_MODEL_ARGS) | set(UNLESS_GIVEN)
-    return {dest: getattr(args, dest) for dest in sorted(dests) if hasattr(args, dest)}
-
-
 def apply_checkpoint_args(args, parser, tokens):
     """--use-checkpoint-args: the --load checkpoint's model flags onto ``args`` (before the derived
     defaults are filled), as Megatron-LM's ``load_args_from_checkpoint``: every flag that shapes a tensor,
@@ -75,7 +64,7 @@ def apply_checkpoint_args(args, parser, tokens):
         return []
     if not args.load:
         return ["--use-checkpoint-args reads the model flags of the --load checkpoint: add --load DIR"]
-    from cp_ext.training.checkpointing import meta_to_load
+    from cp_ext.checkpoint.layout import meta_to_load
 
     found = meta_to_load(args.load, args.ckpt_fallback)
     meta = (found[1] or {}) if found else {}

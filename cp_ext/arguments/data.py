@@ -1,5 +1,5 @@
-"""The data flags, on the data side: datasets and splits, evaluation, tokenizers, packed documents,
-and their checks (the files named are opened cheaply, by `cp_ext.data.datasets.data_file_problems`)."""
+"""The data flags: datasets and splits, evaluation, tokenizers, packed documents, and their checks
+(the files named are opened cheaply, by `cp_ext.data.datasets.data_file_problems`)."""
 
 import math
 
@@ -112,6 +112,6 @@ def data_problems(args):
             or args.vocab_size is not None):
         from cp_ext.data.datasets import data_file_problems
 
-        return data_file_problems(args)
+        return data_file_problems(args, document_flags_given(args))
     return []
 

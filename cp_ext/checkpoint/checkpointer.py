@@ -7,36 +7,19 @@ shard's place in the full tensor, so a checkpoint written at one TP×PP×CP×DP�
 without ``--use-distributed-optimizer``, loads at any other, in the layout and key names
 Megatron-LM's loader expects. Its save once "did not finish" on CPU/gloo: megatron-core 0.16's writer processes
 call ``psutil`` (not one of its dependencies) outside their error handling, die, and leave the
-parent waiting on a queue forever; cp_ext depends on psutil. The layout, Megatron-LM's::
+parent waiting on a queue forever; cp_ext depends on psutil.
 
-    SAVE/
-      latest_checkpointed_iteration.txt   "100": the last *complete* checkpoint
-      iter_0000100/
-        metadata.json, .metadata          dist_checkpointing's: backend, content metadata, tensor index
-        common.pt                         plain values (rank 0): iteration, args, scheduler, Adam step
-                                          (megatron-core 0.19 writes them into the .distcp files instead)
-        __<rank>_<i>.distcp               tensors: model, Adam moments, main params, RNG per rank
-        meta.json                         cp_ext's summary, read at parse time before any model exists,
-                                          with the megatron-core version that wrote the checkpoint
-
-What each part of training saves is its own business (`cp_ext.training.checkpoint_state`); this
-module decides what to save and load (Megatron's --no-load-optim, --no-load-rng, --finetune)
-and makes it durable. The tensors are written by every rank in parallel, replicas spread over
-the DP×CP group (megatron's fully parallel save), so each rank writes about 1/(DP×CP) of them.
-
-Atomicity: everything is written into ``iter_XXXXXXX.tmp``; after a barrier rank 0 fsyncs the
-files and directories, renames the directory and then replaces the tracker file (write + fsync +
-``os.replace``). A kill at any moment leaves the previous checkpoint and the tracker pointing at
-it intact. Parse-time checks on --load/--save live in `cp_ext.training.checkpoint_checks`.
+What each part of training saves is its own business (`cp_ext.checkpoint.state`); this module
+decides what to save and load (Megatron's --no-load-optim, --no-load-rng, --finetune) and makes it
+durable. The tensors are written by every rank in parallel, replicas spread over the DP×CP group
+(megatron's fully parallel save), so each rank writes about 1/(DP×CP) of them. The directory, the
+tracker, meta.json and the atomic publish are `cp_ext.checkpoint.layout`'s; the parse-time checks on
+--load/--save are `cp_ext.checkpoint.checks`'.
 """
 
 import argparse
-import json
-import os
 import pickle
 import shutil
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,13 +31,11 @@ from megatron.core.dist_checkpointing.dict_utils import merge
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from cp_ext import MEGATRON_CORE_VERSION
-from cp_ext.arguments.attention import MLA_FLAGS
-from cp_ext.arguments.checkpointing import model_args
-from cp_ext.errors import ConfigError
-from cp_ext.megatron_compat import load_checkpoint
-from cp_ext.perf.memory import GRID_FLAGS as PLANNER_GRID_FLAGS
-from cp_ext.perf.model_shape import SHAPE_FLAGS
-from cp_ext.training.checkpoint_state import (
+from cp_ext.checkpoint.layout import (
+    META, MODEL_FLAGS, SCHEDULE_FLAGS, TENSOR_INDEX, TRACKER, complete_iterations, iteration_dir,
+    latest_iteration, publish, read_meta, staging_dir, write_meta,
+)
+from cp_ext.checkpoint.state import (
     CONTENT_METADATA,
     CheckpointContext,
     ModelState,
@@ -64,87 +45,10 @@ from cp_ext.training.checkpoint_state import (
     SchedulerState,
     optimizer_kind,
 )
-from cp_ext.training.logging import print_rank_0
-
-TRACKER = "latest_checkpointed_iteration.txt"
-META = "meta.json"  # cp_ext's summary of a checkpoint, read before anything is built
-# The LR / weight-decay schedule a checkpoint was trained with (meta.json), compared at parse
-# time as Megatron's OptimizerParamScheduler compares them at load time.
-SCHEDULE_FLAGS = {
-    "lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters",
-    "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style", "weight_decay": "--weight-decay",
-}
-# What decides the parameters' shapes: a checkpoint of another shape is refused at parse time.
-
-# The planner's model description (`cp_ext.perf.model_shape`) names them; MLA's RoPE values too.
-MODEL_FLAGS = {**SHAPE_FLAGS, **MLA_FLAGS}
-# The grid it was saved at (the planner's `Grid`, by flag) and the optimizer's sharding.
-GRID_FLAGS = (*PLANNER_GRID_FLAGS.values(), "use_distributed_optimizer")
-
-
-def iteration_dir(root, iteration):
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root):
-    tracker = Path(root) / TRACKER
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise RuntimeError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
-    return int(text)
-
-
-def complete_iterations(root):
-    """Iterations under `root` whose directory holds a finished checkpoint, newest first."""
-    found = []
-    for d in Path(root).glob("iter_*"):
-        if d.is_dir() and d.name[5:].isdigit() and (d / META).exists() and (d / "metadata.json").exists():
-            found.append(int(d.name[5:]))
-    return sorted(found, reverse=True)
-
-
-def meta_to_load(root, fallback):
-    """(iteration, meta.json) of the checkpoint a --load of `root` will read, or None if there is none.
-
-    The latest one; with --ckpt-fallback (`fallback`) and its meta.json missing, the newest complete one."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        return None
-    meta_file = iteration_dir(root, iteration) / META
-    if not meta_file.exists() and fallback and complete_iterations(root):
-        iteration = complete_iterations(root)[0]
-        meta_file = iteration_dir(root, iteration) / META
-    if not meta_file.exists():
-        return iteration, None
-    return iteration, json.loads(meta_file.read_text())
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(directory):
-    """Every file, then every directory, bottom up: the bytes are on disk before the rename."""
-    for dirpath, _, filenames in os.walk(directory, topdown=False):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb+") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(dirpath)
-
-
-def _fsync_write(path, text):
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from cp_ext.console import print_rank_0
+from cp_ext.grid import Grid
+from cp_ext.errors import ConfigError
+from cp_ext.megatron_compat import load_checkpoint
 
 
 def _in_process_write_results():
@@ -161,25 +65,30 @@ def _in_process_write_results():
         filesystem_async._results_queue = queue.Queue()
 
 
-def checkpoint_meta(args, iteration, consumed_samples, train_samples):
+def checkpoint_meta(args, iteration, consumed_samples, train_samples, model_args):
     """meta.json: what parse-time checks and a loading run need before reading any tensor (also written by
-    tools/convert_hf.py's import, which trains nothing: 0 and 0)."""
+    tools/convert_hf.py's import, which trains nothing: 0 and 0). ``model_args``: every model flag of
+    the run (`cp_ext.arguments.model_args`), what --use-checkpoint-args gives a loading run."""
     return {"iteration": iteration, "format": "torch_dist", "megatron_core": MEGATRON_CORE_VERSION,
             "world_size": dist.get_world_size(),
-            "grid": {name: getattr(args, name) for name in GRID_FLAGS},
+            "grid": {**Grid.from_args(args, world_size=dist.get_world_size()).as_meta(),
+                     "use_distributed_optimizer": args.use_distributed_optimizer},
             "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
             "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
             "model": {name: getattr(args, name) for name in MODEL_FLAGS},
-            "model_args": model_args(args),  # what --use-checkpoint-args gives a loading run
+            "model_args": model_args,
             # the data position, and the length the train dataset's sample order was built for
             "consumed_samples": consumed_samples, "train_samples": train_samples}
 
 
 class Checkpointer:
-    """Saves and loads the trainer's components (`checkpoint_state`) under --save / --load."""
+    """Saves and loads the trainer's components (`cp_ext.checkpoint.state`) under --save / --load.
 
-    def __init__(self, trainer):
-        self.trainer, self.args = trainer, trainer.args
+    ``trainer``: what the components read (model, optimizer, scheduler, iteration, data position);
+    ``model_args``: the run's model flags, recorded in meta.json."""
+
+    def __init__(self, trainer, model_args):
+        self.trainer, self.args, self.model_args = trainer, trainer.args, model_args
         self.components = {
             "model": ModelState(trainer.model[0].module),
             "optimizer": OptimizerState(trainer.optimizer, optimizer_kind(trainer.args)),
@@ -206,13 +115,13 @@ class Checkpointer:
         return self._save_strategy
 
     def meta(self, iteration):
-        return checkpoint_meta(self.args, iteration, self.trainer.consumed_samples, len(self.trainer.dataset))
+        return checkpoint_meta(self.args, iteration, self.trainer.consumed_samples, len(self.trainer.dataset),
+                               self.model_args)
 
     def save(self, root):
         """Save every component at the trainer's iteration (collective)."""
         iteration = self.trainer.iteration
-        final = iteration_dir(root, iteration)
-        tmp = Path(str(final) + ".tmp")
+        final, tmp = iteration_dir(root, iteration), staging_dir(root, iteration)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
             tmp.mkdir(parents=True)
@@ -225,18 +134,10 @@ class Checkpointer:
                                 content_metadata=CONTENT_METADATA)
         dist.barrier()  # every rank's files are written (and fsynced by megatron's writers)
         if dist.get_rank() == 0:
-            (tmp / META).write_text(json.dumps(self.meta(iteration), indent=1))
-            _fsync_tree(tmp)
-            if final.exists():
-                if iteration in self._saved_here:  # this run's own earlier save of this iteration
-                    shutil.rmtree(final)
-                else:  # another run's (after --ckpt-fallback, say): kept beside, never deleted
-                    aside = final.with_name(f"{final.name}.replaced-{int(time.time())}")
-                    os.replace(final, aside)
-                    print_rank_0(f"{final} existed (not saved by this run): moved to {aside}")
-            os.replace(tmp, final)
-            _fsync_dir(Path(root))
-            _fsync_write(Path(root) / TRACKER, f"{iteration}\n")
+            write_meta(tmp, self.meta(iteration))
+            note = publish(tmp, root, iteration, replaceable=iteration in self._saved_here)
+            if note:
+                print_rank_0(note)
             self._saved_here.add(iteration)
             print_rank_0(f"saved checkpoint at iteration {iteration} to {final}")
         dist.barrier()
@@ -273,10 +174,10 @@ class Checkpointer:
     def _load_iteration(self, root, iteration):
         args, directory = self.args, iteration_dir(root, iteration)
         meta_file = directory / META
-        if not (directory / "metadata.json").exists() or not meta_file.exists():
+        if not (directory / TENSOR_INDEX).exists() or not meta_file.exists():
             raise CheckpointReadError(f"{directory}: not a complete cp_ext torch_dist checkpoint "
-                                      f"({'metadata.json' if meta_file.exists() else META} missing)")
-        saved = json.loads(meta_file.read_text())
+                                      f"({TENSOR_INDEX if meta_file.exists() else META} missing)")
+        saved = read_meta(directory)
         names = self._to_load()
         cross_kind = "optimizer" in names and saved["optimizer_kind"] != optimizer_kind(args)
         torch.serialization.add_safe_globals([argparse.Namespace])  # Megatron-LM's `args` in common.pt

@@ -6,14 +6,14 @@ Nothing is lost: a ``--save`` directory that holds a checkpoint newer than where
 writable directory with room for a checkpoint (else a warning). A checkpoint of another model
 shape is refused listing the differing flags; a changed LR schedule needs Megatron's
 ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``. Another grid or
-optimizer kind is fine: checkpoints reshard (`cp_ext.training.checkpointing`).
+optimizer kind is fine: checkpoints reshard (`cp_ext.checkpoint.checkpointer`).
 """
 
 import os
 import shutil
 from pathlib import Path
 
-from cp_ext.training.checkpointing import (
+from cp_ext.checkpoint.layout import (
     MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, iteration_dir, latest_iteration, meta_to_load,
 )
 

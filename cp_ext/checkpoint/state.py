@@ -1,6 +1,6 @@
 """What each part of training saves and loads: the state-dict protocol of cp_ext's checkpoints.
 
-Every component answers three questions, and `cp_ext.training.checkpointing.Checkpointer`
+Every component answers three questions, and `cp_ext.checkpoint.checkpointer.Checkpointer`
 only asks them (it never reaches into a component's fields)::
 
     state_dict(ctx)            what to save: plain values (rank 0's go to common.pt) and

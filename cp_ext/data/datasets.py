@@ -62,13 +62,14 @@ def _is_number(text):
         return False
 
 
-def data_file_problems(args) -> list:
-    """Tokenizer and --data-path file problems (missing, corrupt, ids >= vocab), each naming the fix."""
+def data_file_problems(args, document_flags=()) -> list:
+    """Tokenizer and --data-path file problems (missing, corrupt, ids >= vocab), each naming the fix.
+    ``document_flags``: the packed-document flags the run gives (they need an EOD token)."""
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except ValueError as e:
         return [str(e)]
-    problems = _document_problems(args, tokenizer)
+    problems = _document_problems(args, tokenizer, document_flags)
     if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
         return problems + [f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocab "
                            f"{tokenizer.vocab_size} (--tokenizer-type {args.tokenizer_type}); drop --vocab-size or "
@@ -89,13 +90,10 @@ def data_file_problems(args) -> list:
     return problems
 
 
-def _document_problems(args, tokenizer) -> list:
+def _document_problems(args, tokenizer, flags) -> list:
     """The packed-document flags need a tokenizer with an EOD token: without one (a HuggingFace
     vocabulary naming none gets an id past the vocabulary), no sample holds an EOD and the flags
     would silently do nothing."""
-    from cp_ext.data.arguments import document_flags_given
-
-    flags = document_flags_given(args)
     if not flags or tokenizer.eod in tokenizer.inv_vocab:
         return []
     model = f" --tokenizer-model {args.tokenizer_model}" if args.tokenizer_model else ""

@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 from cp_ext.megatron_compat import load_checkpoint
-from cp_ext.models.layout import _flatten
+from cp_ext.models.layout import sharded_tensors
 
 
 def meta_model(args):
@@ -51,7 +51,7 @@ def meta_model(args):
 def stacks(model):
     """{checkpoint key: the stack's leading shape}: () for a tensor of its own, (layers,) for a stack of
     equal layers, (layers, experts) for experts; its units are ``key.<layer>[.<expert>]``."""
-    return {t.key: tuple(t.global_shape[:t.prepend_axis_num]) for t in _flatten(model.sharded_state_dict())}
+    return {t.key: tuple(t.global_shape[:t.prepend_axis_num]) for t in sharded_tensors(model.sharded_state_dict())}
 
 
 def _unit_of(key, stack, offsets, sizes):
@@ -105,7 +105,7 @@ def load_units(model, directory):
     layer's units per read."""
     saved_dtype = {key: t.dtype for key, t in dist_checkpointing.load_tensors_metadata(str(directory)).items()}
     by_layer = defaultdict(list)
-    for t in _flatten(model.sharded_state_dict()):
+    for t in sharded_tensors(model.sharded_state_dict()):
         stack, unit_shape = tuple(t.global_shape[:t.prepend_axis_num]), tuple(t.global_shape[t.prepend_axis_num:])
         listed = re.match(r"decoder\.layers\.(\d+)\.", t.key)  # a --moe-layer-freq list's layers
         for offsets in itertools.product(*map(range, stack)):  # every layer (and expert) of the stack

@@ -21,7 +21,7 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
 
 `ContextParallelGPTModel` is megatron's GPTModel whose RoPE (rope or YaRN, with every option
 megatron built it with) returns the rows at this CP rank's global positions, or at the batch's
-per-document positions with --reset-position-ids (`cp_ext.models.rope`). Learned absolute
+per-document positions with --reset-position-ids (`cp_ext.transformer.rope`). Learned absolute
 positions need nothing: the batch already carries each token's global position id.
 
 Weights are initialized *layout-invariantly*: each parameter's full (unsharded)
@@ -49,9 +49,10 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from cp_ext.megatron_compat import quiet_gpt_model_deprecation, spec_parts
 from cp_ext.models.layout import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
-from cp_ext.models.rope import RotaryAtContextParallelPositions
+from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.experts import ExpertRowParallelLinear
+from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
 
 quiet_gpt_model_deprecation()  # megatron 0.19's notice; cp_ext builds GPTModel on purpose (megatron_compat, row 10)
@@ -73,8 +74,6 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
         else:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
     if mla:
-        from cp_ext.transformer.mla import ContextParallelMLASelfAttention  # (it imports cp_ext.models.rope)
-
         submodules.self_attention.module = ContextParallelMLASelfAttention
     attention.core_attention = CoreAttention
     _, mlp = spec_parts(submodules.mlp)

@@ -27,22 +27,22 @@ class GlobalSlice:
     local: torch.Tensor  # this rank's piece (a parameter or a view of one)
 
 
-def _flatten(sharded):
+def sharded_tensors(sharded):
     if isinstance(sharded, dict):
         for value in sharded.values():
-            yield from _flatten(value)
+            yield from sharded_tensors(value)
     elif isinstance(sharded, (list, tuple)):
         for value in sharded:
-            yield from _flatten(value)
+            yield from sharded_tensors(value)
     elif isinstance(sharded, ShardedTensorFactory):
-        yield from _flatten(sharded.build())
+        yield from sharded_tensors(sharded.build())
     elif isinstance(sharded, ShardedTensor):
         yield sharded
 
 
 def iter_global_slices(model: torch.nn.Module) -> Iterator[GlobalSlice]:
     """Every local parameter piece of `model` with its place in the full model."""
-    for sharded in _flatten(model.sharded_state_dict()):
+    for sharded in sharded_tensors(model.sharded_state_dict()):
         local = sharded.data
         if not isinstance(local, torch.Tensor) or local.numel() == 0:
             continue

@@ -51,9 +51,10 @@ Attention (KV) state: K and V of every layer, ``2 L g d s`` elements per sequenc
 (L=80, h=8192): 320 GiB (with its real 8 KV heads: 40 GiB).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Dict, Optional
 
+from cp_ext.grid import GRID_FLAGS, Grid  # re-exported: the planner's grid is cp_ext's one Grid
 from cp_ext.perf.model_shape import (  # noqa: F401  (re-exported: the planner's one model description)
     PRESETS, ModelShape, active_params, layer_params, mlp_matrices, mtp_layer_params, mtp_weight_layers, params_per_layer, total_params,
 )
@@ -179,34 +180,6 @@ def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
 
-# Each of Grid's sizes and the flag (its Megatron-LM dest) that sets it; data parallelism is what is left.
-GRID_FLAGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-              "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size", "ulysses": "ulysses_size"}
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The one grid description: what the planner ranks, and what a checkpoint records it was saved at."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    ep: int = 1
-    etp: int = 1
-    ulysses: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @classmethod
-    def from_args(cls, args) -> "Grid":
-        """The grid of parsed (validated) arguments."""
-        sizes = {field: getattr(args, name) for field, name in GRID_FLAGS.items()}
-        return cls(dp=args.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"]), **sizes)
-
-
 def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:
     """Unsharded parameters of one pipeline stage: its layers (dense-first layers make the stages
     differ), the embedding on the first, the output layer (a copy when tied and PP > 1), final norm
@@ -262,7 +235,7 @@ def rank_memory(m: ModelShape, grid: Grid, *, s: int, b: int = 1, dtype: str = "
     return out
 
 
-__all__ = ["CP_COMM_TYPES", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "active_params", "all_gather_transient_bytes",
+__all__ = ["CP_COMM_TYPES", "GRID_FLAGS", "GiB", "Grid", "ModelShape", "PRESETS", "activation_bytes", "active_params", "all_gather_transient_bytes",
            "bytes_per_param", "korthikanti_layer_bytes", "mlp_matrices", "mtp_layer_params",
            "kv_state_bytes", "layer_activation_elems", "layer_params", "params_per_layer", "rank_memory", "replace",
            "stage_params", "total_params", "weight_bytes"]

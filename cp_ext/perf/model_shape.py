@@ -2,7 +2,7 @@
 
 `ModelShape.from_args` reads it from parsed `pretrain_moe.py` arguments (Megatron-LM's names),
 so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.py,
-`cp_ext.training.checkpoint_checks`) describe the model exactly as the trainer builds it.
+`cp_ext.checkpoint.checks`) describe the model exactly as the trainer builds it.
 `layer_params` counts one layer's parameters the way megatron-core builds that layer
 (cp_ext's decoder block spec: local linear layers, separate norms, SequentialMLP experts);
 `total_params` equals ``sum(p.numel())`` of the built model for every family in tests/families
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 # The flags `ModelShape.from_args` reads that decide a parameter's shape: what a checkpoint records
-# of its model and refuses to load into another (`cp_ext.training.checkpointing.MODEL_FLAGS`).
+# of its model and refuses to load into another (`cp_ext.checkpoint.checkpointer.MODEL_FLAGS`).
 SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size", "normalization",

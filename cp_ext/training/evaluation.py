@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from cp_ext.megatron_compat import zero_moe_loss_tracker
 from cp_ext.models.mtp import MTPLosses
 from cp_ext.training.batches import microbatches
-from cp_ext.training.logging import print_rank_0
+from cp_ext.console import print_rank_0
 from cp_ext.training.steps import forward_step
 
 SPLIT_NAMES = {"valid": "validation", "test": "test"}

@@ -11,16 +11,7 @@ the iterations since the last line.)
 import sys
 from datetime import timedelta
 
-import torch.distributed as dist
-
-
-def is_rank_0():
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def print_rank_0(message):
-    if is_rank_0():
-        print(message, flush=True)
+from cp_ext.console import is_rank_0
 
 
 class IterationLog:

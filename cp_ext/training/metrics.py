@@ -20,26 +20,10 @@ import math
 
 import yaml
 
+from cp_ext.console import is_rank_0, print_rank_0
 from cp_ext.platform import memory_bytes
-from cp_ext.training.logging import is_rank_0, print_rank_0
+from cp_ext.training.metric_names import metric_key
 from cp_ext.training.tensorboard import TensorBoardWriter
-
-METRIC_KEYS = {
-    "lm loss": "train/lm_loss",
-    "load balancing loss": "train/load_balancing_loss",
-    "grad norm": "train/grad_norm",
-    "learning rate": "train/learning_rate",
-}
-
-
-
-def metric_key(name):
-    """The metrics.jsonl / wandb key of a trainer metric: the fixed ones, and every MoE loss
-    megatron's router tracks (``z loss`` -> ``train/z_loss``, ``seq load balancing loss``, ...)."""
-    if name in METRIC_KEYS:
-        return METRIC_KEYS[name]
-    return "train/" + name.replace(" ", "_") if name.endswith(" loss") else None
-
 
 class MetricsLogger:
     def __init__(self, args, start_iteration=0):

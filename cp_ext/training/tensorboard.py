@@ -37,7 +37,7 @@ import os
 import time
 from pathlib import Path
 
-from cp_ext.training.logging import is_rank_0, print_rank_0
+from cp_ext.console import is_rank_0, print_rank_0
 
 # The trainer's metric names that are not MoE losses, and their Megatron-LM TensorBoard names.
 TRAIN_SCALARS = {"lm loss": "lm loss", "learning rate": "learning-rate", "loss scale": "loss-scale",

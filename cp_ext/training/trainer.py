@@ -28,20 +28,23 @@ from megatron.core.transformer.module import Float16Module
 
 from cp_ext import __version__
 from cp_ext import parallel_state as cp_state
-from cp_ext.arguments import ConfigError, evaluation_splits
+from cp_ext.arguments import ConfigError, evaluation_splits, model_args
 from cp_ext.arguments.implementations import implementation_note
+from cp_ext.checkpoint.checkpointer import Checkpointer
+from cp_ext.checkpoint.layout import meta_to_load
+from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
 from cp_ext.config import padded_vocab_size, transformer_config_from_args
+from cp_ext.console import print_rank_0
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
+from cp_ext.grid import Grid
 from cp_ext.megatron_version import versions_line
 from cp_ext.megatron_compat import reduced_moe_losses, reset_moe_loss_tracker, zero_moe_loss_tracker
 from cp_ext.models.gpt_moe import build_model
 from cp_ext.models.mtp import MTPLosses
 from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
-from cp_ext.training.checkpoint_lock import acquire_save_lock, release_save_lock
-from cp_ext.training.checkpointing import Checkpointer, meta_to_load
 from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
-from cp_ext.training.logging import IterationLog, print_rank_0
+from cp_ext.training.logging import IterationLog
 from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.signals import ExitSignalHandler
@@ -49,31 +52,13 @@ from cp_ext.training.steps import forward_step
 
 
 def initialize_distributed(args, device):
-    """torch.distributed + megatron's parallel_state for the grid in `args`, then the seeds.
-
-    A grid already initialized with the same sizes is reused (tests and tools build many trainers
-    in one process; new groups each time would pile up gloo threads, `cp_state.destroy_grid`); a
-    different one is left first."""
-    # Every group gets --distributed-timeout-minutes (megatron's default for its own is 30):
-    # a stopped or hung rank makes the others fail with a message, not wait for half an hour.
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    """torch.distributed, then the grid in `args` (`Grid.initialize`: one already in place with the same
+    sizes is kept), then the seeds."""
     if not dist.is_initialized():
-        dist.init_process_group(backend=distributed_backend(device), timeout=timeout)
-    grid = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
-            args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.ulysses_size,
-            args.distributed_timeout_minutes)
-    if cp_state.initialized_grid() != grid:
-        if parallel_state.model_parallel_is_initialized():
-            cp_state.destroy_grid()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
-        )
-        cp_state.initialize_context_parallel(args.ulysses_size, timeout=timeout, grid=grid)
+        # --distributed-timeout-minutes reaches the world group too (and every grid group: `Grid.initialize`)
+        dist.init_process_group(backend=distributed_backend(device),
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    Grid.from_args(args, world_size=dist.get_world_size()).initialize(args.distributed_timeout_minutes)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -218,7 +203,7 @@ class Trainer:
             bool(self.config.mtp_num_layers) and parallel_state.is_pipeline_last_stage())
         self.iteration = 0
         self.consumed_samples = 0
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer = Checkpointer(self, model_args(args))
         if args.load:
             self.checkpointer.load(args.load)
 

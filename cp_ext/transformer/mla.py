@@ -3,7 +3,7 @@
 ``MLASelfAttention`` (DeepSeek-V2/V3) builds its own rotary module for the shared RoPE key
 (``qk_pos_emb_head_dim``, rope or YaRN with mscale) and lets it slice the table with megatron's
 fixed zigzag-over-CP layout. cp_ext's layout depends on the Ulysses x ring split (and on
-``--cp-load-balance``), so this subclass wraps that module (`cp_ext.models.rope.
+``--cp-load-balance``), so this subclass wraps that module (`cp_ext.transformer.rope.
 RotaryAtContextParallelPositions`): every rank rotates its tokens at their true global
 positions. The core attention seat is cp_ext's `CoreAttention`, which takes MLA's q/k and v head
 dims (192 / 128 at DeepSeek-V3 size) on every CP type.
@@ -33,7 +33,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from cp_ext import parallel_state as cp_state
 from cp_ext.arguments.attention import MLA_EXCHANGES
 from cp_ext.megatron_compat import MLA_ROPE_KWARGS
-from cp_ext.models.rope import RotaryAtContextParallelPositions
+from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 
 

@@ -1,6 +1,6 @@
 """Packed documents, the data and position side: Megatron's --reset-position-ids, --reset-attention-mask,
 --eod-mask-loss (`cp_ext.data.documents`, `cp_ext.data.datasets`, `cp_ext.training.batches`,
-`cp_ext.models.rope`).
+`cp_ext.transformer.rope`).
 
 Single process throughout. The datasets are megatron's GPTDataset on the embedded default corpus
 (the stdlib's sources, one document per file, so real samples hold EODs at any place, adjacent ones
@@ -213,7 +213,7 @@ def rope(monkeypatch):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from cp_ext import parallel_state as cp_state
-    from cp_ext.models.rope import RotaryAtContextParallelPositions
+    from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(cp_state, "get_context_parallel_positions",

@@ -269,7 +269,7 @@ def test_grid_from_args_is_the_grid_a_checkpoint_records():
     """One grid description: parsed flags -> the planner's Grid; the checkpoint metadata records the same sizes."""
     from cp_ext.arguments import parse_args
     from cp_ext.perf.memory import GRID_FLAGS, Grid
-    from cp_ext.training.checkpointing import GRID_FLAGS as CHECKPOINT_GRID
+    from cp_ext.checkpoint.layout import GRID_FLAGS as CHECKPOINT_GRID
 
     args = parse_args(["--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
                        "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "4",

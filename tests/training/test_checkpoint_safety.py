@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cp_ext.arguments import ConfigError, parse_args
-from cp_ext.training.checkpointing import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
+from cp_ext.checkpoint.layout import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
 from tests.launch import REPO_ROOT, run_script, start_script
 
 FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -87,7 +87,7 @@ def test_changed_schedule_needs_one_of_megatrons_flags(tmp_path):
 def test_save_warns_when_the_disk_is_short(tmp_path, capsys):
     import shutil
 
-    from cp_ext.training.checkpoint_checks import checkpoint_bytes_estimate
+    from cp_ext.checkpoint.checks import checkpoint_bytes_estimate
 
     big = ["--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000"]
     args = parse_args(FLAGS + big + ["--save", str(tmp_path / "ck")], world_size=1)

@@ -102,7 +102,7 @@ def test_checkpoint_loads_at_another_tp_and_cp_size(uninterrupted, tmp_path):
 def _die_inside_second_save():
     """Worker: pretrain_moe.py, except that rank 0 is SIGKILLed inside a save, once every rank's
     tensor files are written and before the directory is renamed into place."""
-    import cp_ext.training.checkpointing as checkpointing
+    import cp_ext.checkpoint.checkpointer as checkpointing
 
     real_save, calls = checkpointing.dist_checkpointing.save, {"saves": 0}
     kill_at = int(os.environ["KILL_AT_SAVE"])
