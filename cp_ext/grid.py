@@ -31,11 +31,6 @@ class Grid:
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    @property
-    def ring(self) -> int:
-        """The ring's size: CP ranks per Ulysses group position."""
-        return self.cp // self.ulysses
-
     @classmethod
     def from_args(cls, args, world_size=None) -> "Grid":
         """The grid of parsed (validated) arguments, on ``world_size`` ranks (default: the run's)."""

@@ -92,7 +92,7 @@ def meta_to_load(root, fallback):
         meta_file = iteration_dir(root, iteration) / META
     if not meta_file.exists():
         return iteration, None
-    return iteration, json.loads(meta_file.read_text())
+    return iteration, read_meta(meta_file.parent)
 
 
 def read_meta(directory):

@@ -278,3 +278,6 @@ def test_grid_from_args_is_the_grid_a_checkpoint_records():
     assert Grid.from_args(args) == Grid(tp=2, pp=2, cp=4, dp=2, ep=4, etp=1, ulysses=2)
     assert Grid.from_args(args).world == 32
     assert set(GRID_FLAGS.values()) <= set(CHECKPOINT_GRID)
+    # what meta.json records: every size by its flag, as the flags gave them
+    meta = Grid.from_args(args).as_meta()
+    assert meta == {name: getattr(args, name) for name in CHECKPOINT_GRID if name != "use_distributed_optimizer"}
