@@ -1,6 +1,6 @@
 """The names runs log their metrics under (metrics.jsonl, wandb, TensorBoard), in one place: the
-trainer writes them and tools/compare_loss_curves.py reads them. No torch: a tool reading logs
-imports only this."""
+trainer writes them and the loss-curve comparison (`cp_ext.training.loss_curves`, `loss_report`) reads
+them. No torch: a tool reading logs imports only this."""
 
 METRIC_KEYS = {
     "lm loss": "train/lm_loss",

@@ -1,11 +1,11 @@
 """tools/compare_loss_curves.py on runs written here: metrics.jsonl files and a real offline wandb run.
 
 The CLI is run as a subprocess (exit status is its contract: 0 agree, 1 differ, 2 bad input);
-pure helpers are imported. The real CP=2 vs CP=1 training pair is in tests/scripts/test_compare_cp.py;
-the 60-iteration demo pairs that --band is checked on are stored in tests/tools/data/cpu_demo/.
+pure helpers are imported from cp_ext.training.loss_curves. The real CP=2 vs CP=1 training pair is in
+tests/scripts/test_compare_cp.py; the 60-iteration demo pairs that --band is checked on are stored in
+tests/tools/data/cpu_demo/.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -16,13 +16,10 @@ import textwrap
 
 import pytest
 
+from cp_ext.training import loss_curves as clc
 from tests.launch import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "compare_loss_curves.py"
-
-spec = importlib.util.spec_from_file_location("compare_loss_curves", TOOL)
-clc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(clc)
 
 
 def curve(n=20, scale=1.0, offset=0.0):
