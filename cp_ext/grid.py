@@ -38,6 +38,28 @@ class Grid:
         world = world_size if world_size is not None else args.world_size
         return cls(dp=world // (sizes["tp"] * sizes["pp"] * sizes["cp"]), **sizes)
 
+    @classmethod
+    def problems_of(cls, args) -> list:
+        """`problems` of the grid the flags in ``args`` ask for, on the run's ``args.world_size`` ranks."""
+        return cls.from_args(args).problems(args.world_size)
+
+    def problems(self, world_size: int) -> list:
+        """What keeps this grid's sizes from tiling ``world_size`` ranks, each naming the flags and the
+        fix (Megatron-LM's rules: TP x PP x CP divides the world, and so does expert-TP x EP x PP). The
+        rules that involve the model (heads, layers, vocabulary over TP and PP) or the CP flags
+        (--ulysses-size, --cp-comm-type) are the arguments' (`cp_ext.arguments.parallel`)."""
+        p = []
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            p.append(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({self.tp}) x "
+                     f"--pipeline-model-parallel-size ({self.pp}) x --context-parallel-size ({self.cp}) = "
+                     f"{model_parallel}; launch a multiple of {model_parallel} ranks or change the sizes")
+        elif world_size % (self.etp * self.ep * self.pp):
+            p.append(f"world size {world_size} is not divisible by --expert-tensor-parallel-size ({self.etp}) x "
+                     f"--expert-model-parallel-size ({self.ep}) x --pipeline-model-parallel-size ({self.pp}); "
+                     f"change the expert sizes")
+        return p
+
     def as_meta(self) -> dict:
         """The sizes by flag (Megatron-LM's dests), as a checkpoint's meta.json records them."""
         sizes = asdict(self)

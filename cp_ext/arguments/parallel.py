@@ -2,6 +2,7 @@
 splits into Ulysses x ring (--cp-comm-type, --ulysses-size), the device, and the grid's rules."""
 
 from cp_ext.flag_types import POSITIVE
+from cp_ext.grid import Grid
 
 
 CP_COMM_TYPES = ["p2p", "a2a", "a2a+p2p", "all_gather"]  # Megatron-LM / TransformerEngine spelling
@@ -145,17 +146,9 @@ def _device_problems(args):
 
 def grid_problems(args):
     """The world size against the grid, and the sizes each parallelism must divide."""
-    p = []
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    p = Grid.problems_of(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    world = args.world_size
-    if world % (tp * pp * cp):
-        p.append(f"world size {world} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                 f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}; "
-                 f"launch a multiple of {tp * pp * cp} ranks or change the sizes")
-    elif world % (etp * ep * pp):
-        p.append(f"world size {world} is not divisible by --expert-tensor-parallel-size ({etp}) x "
-                 f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}); change the expert sizes")
     if args.num_experts and ep == 1 and etp != tp:
         # megatron-core 0.16.1 tags expert weights as experts (``allreduce=False``) only under EP > 1; at EP 1
         # DDP reduces them over DP like dense weights, never over the TP ranks whose tokens they also saw

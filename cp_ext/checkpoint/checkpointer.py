@@ -99,8 +99,18 @@ class Checkpointer:
         self._save_strategy = None
         self._saved_here = set()  # iterations this run saved (rank 0): the only ones a save may replace
 
+    @classmethod
+    def for_weights(cls, model_chunk, args, model_args):
+        """A checkpointer that loads a model's weights only, as --finetune does (generation, the tools
+        that need a model, not a run): no optimizer, schedule, iteration or RNG state to restore."""
+        self = cls.__new__(cls)
+        self.trainer, self.args, self.model_args = None, args, model_args
+        self.components = {"model": ModelState(model_chunk)}
+        self._save_strategy, self._saved_here = None, set()
+        return self
+
     def _context(self, **kw):
-        return CheckpointContext(model_sharded=self.trainer.model[0].module.sharded_state_dict(), **kw)
+        return CheckpointContext(model_sharded=self.components["model"].chunk.sharded_state_dict(), **kw)
 
     def _strategy(self):
         """torch_dist, with replicas' writes spread over DP×CP (Megatron-LM's --ckpt-fully-parallel-save);
@@ -145,7 +155,7 @@ class Checkpointer:
     def _to_load(self):
         """Which components this run restores (Megatron-LM's --finetune, --no-load-optim, --no-load-rng)."""
         args = self.args
-        if args.finetune:
+        if args.finetune or self.trainer is None:
             return ["model"]
         names = ["model", "run"]
         if not args.no_load_optim:
@@ -211,6 +221,9 @@ class Checkpointer:
                                       f"{type(e).__name__}: {first}") from None
         for name in names:
             self.components[name].load_state_dict(state, ctx)
+        if self.trainer is None and not args.finetune:
+            print_rank_0(f"loaded the weights of iteration {iteration} from {directory}")
+            return 0
         if args.finetune:
             print_rank_0(f"--finetune: loaded the weights of iteration {iteration} from {directory}; starting at iteration 0")
             return 0

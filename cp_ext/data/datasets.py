@@ -131,6 +131,18 @@ def build_eval_dataset(args, split) -> TrainDataset:
     return dataset
 
 
+def data_vocab_size(args) -> int:
+    """The vocabulary the run's model is built for, as the trainer takes it: ``--vocab-size`` when given,
+    else the datasets' (`TrainDataset.vocab_size`: the passkey task's own, else the tokenizer's)."""
+    if args.vocab_size:
+        return args.vocab_size
+    if args.synthetic_task == "passkey":
+        from cp_ext.data.passkey import PasskeyDataset
+
+        return PasskeyDataset(args.seq_length, 1, args.data_seed).vocab_size
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+
+
 def build_split_dataset(args, split, num_samples) -> TrainDataset:
     if args.synthetic_task == "passkey":
         from cp_ext.data.passkey import PasskeyDataset

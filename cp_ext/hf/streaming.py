@@ -29,23 +29,16 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 
+from cp_ext.grid import Grid
 from cp_ext.megatron_compat import load_checkpoint
+from cp_ext.models.factory import build_model_stack
 from cp_ext.models.layout import sharded_tensors
 
 
 def meta_model(args):
-    """This rank's model (at the grid in ``args``) on the meta device, for its map only."""
-    from cp_ext.config import padded_vocab_size, transformer_config_from_args
-    from cp_ext.models.gpt_moe import build_model
-
-    vocab = args.padded_vocab_size or padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                                        args.tensor_model_parallel_size)
-    config = transformer_config_from_args(args)
-    # megatron's layers allocate on the current (CUDA, here CPU) device unless told to initialize on the
-    # "CPU", which allocates on the default device: the meta one below. Nothing is initialized.
-    config.use_cpu_initialization, config.perform_initialization = True, False
-    with torch.device("meta"):
-        return build_model(config, args, vocab, initialize=False)
+    """This rank's model (at the grid in ``args``) on the meta device, for its map only: the one model
+    factory's (`cp_ext.models.factory`), so the embedding is padded as training pads it."""
+    return build_model_stack(args, Grid.from_args(args), vocab_size=args.vocab_size, meta=True).chunks[0]
 
 
 def stacks(model):

@@ -1,6 +1,7 @@
 """Generation with context parallelism: prefill with the training layout, decode on the sharded cache.
 
-    gen = Generator(trainer)                      # a Trainer built with the run's flags (--load: weights)
+    gen = Generator(model)                        # this rank's model chunk: `build_model_stack`'s (weights
+                                                  # from `load_model_weights`), or a trainer's
     result = gen.generate(prompt_ids, max_new_tokens=32, sampling=Sampling())
 
 1. **Prefill**: the longest prefix of the prompt the CP layout can split (a multiple of 2C
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
@@ -86,10 +88,13 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 class Generator:
-    def __init__(self, trainer):
-        self.args, self.device, self.config = trainer.args, trainer.device, trainer.config
-        model = trainer.model[0].module
-        self.model = getattr(model, "module", model)  # under Float16Module (bf16): the GPTModel inside
+    def __init__(self, model):
+        """``model``: this rank's chunk as built (`cp_ext.models.factory.ModelStack.chunks[0]`) or as trained
+        (under megatron's DDP); the GPTModel is taken out of DDP and Float16Module (bf16)."""
+        while not isinstance(model, GPTModel):
+            model = model.module
+        self.model, self.config = model, model.config
+        self.device = next(model.parameters()).device
         self.model.eval()
         self.attention = [m for m in self.model.modules() if isinstance(m, CoreAttention)]
         self.layout = self.config.cp_layout

@@ -14,7 +14,6 @@ exact on CPU/gloo too: tests/training/test_overlap.py).
 
 import time
 import weakref
-from datetime import timedelta
 from functools import partial
 
 import torch
@@ -23,8 +22,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.module import Float16Module
 
 from cp_ext import __version__
 from cp_ext import parallel_state as cp_state
@@ -33,34 +30,22 @@ from cp_ext.arguments.implementations import implementation_note
 from cp_ext.checkpoint.checkpointer import Checkpointer
 from cp_ext.checkpoint.layout import meta_to_load
 from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
-from cp_ext.config import padded_vocab_size, transformer_config_from_args
+from cp_ext.config import transformer_config_from_args
 from cp_ext.console import print_rank_0
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
-from cp_ext.grid import Grid
 from cp_ext.megatron_version import versions_line
-from cp_ext.megatron_compat import reduced_moe_losses, reset_moe_loss_tracker, zero_moe_loss_tracker
-from cp_ext.models.gpt_moe import build_model
+from cp_ext.megatron_compat import reduced_moe_losses, zero_moe_loss_tracker
+from cp_ext.models.factory import build_model_stack, padded_vocab
 from cp_ext.models.mtp import MTPLosses
-from cp_ext.platform import distributed_backend, memory_bytes, platform_is_cpu, setup_platform
+from cp_ext.platform import memory_bytes, platform_is_cpu, setup_platform
 from cp_ext.training.batches import microbatches
 from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
 from cp_ext.training.logging import IterationLog
 from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.signals import ExitSignalHandler
+from cp_ext.training.setup import initialize_distributed
 from cp_ext.training.steps import forward_step
-
-
-def initialize_distributed(args, device):
-    """torch.distributed, then the grid in `args` (`Grid.initialize`: one already in place with the same
-    sizes is kept), then the seeds."""
-    if not dist.is_initialized():
-        # --distributed-timeout-minutes reaches the world group too (and every grid group: `Grid.initialize`)
-        dist.init_process_group(backend=distributed_backend(device),
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    Grid.from_args(args, world_size=dist.get_world_size()).initialize(args.distributed_timeout_minutes)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
 
 
 def train_samples(args):
@@ -141,7 +126,7 @@ class Trainer:
     def __init__(self, args):
         self.args = args
         self.device = setup_platform(None if args.device == "auto" else args.device)
-        initialize_distributed(args, self.device)
+        self.grid = initialize_distributed(args, self.device)
         # Held weakly: the registry must not be what keeps a finished trainer alive.
         cp_state.on_grid_destroy(partial(_release_if_alive, weakref.ref(self)))
         print_rank_0(versions_line(__version__))
@@ -156,31 +141,15 @@ class Trainer:
                 if split == "valid":
                     raise ConfigError(f"  - --eval-interval: {e}") from None
                 print_rank_0(f"note: no evaluation on the {split} split: {e}")
-        vocab = args.vocab_size or self.dataset.vocab_size
-        if args.padded_vocab_size is not None:  # Megatron-LM's: the embedding's rows as given (GPT-OSS's 201088)
-            if args.padded_vocab_size < vocab:
-                raise ConfigError(f"  - --padded-vocab-size {args.padded_vocab_size} is below the vocabulary's {vocab} "
-                                  f"tokens; raise it to at least {vocab} or drop it")
-            self.padded_vocab_size = args.padded_vocab_size
-        else:
-            self.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
-                                                       args.tensor_model_parallel_size)
-
+        vocab = padded_vocab(args, args.vocab_size or self.dataset.vocab_size, self.grid.tp)  # refused early
         self.config = transformer_config_from_args(args)
-        # megatron's MoE loss tracker is process-wide, sized by the first model's layers and keyed by its loss
-        # names: a second Trainer in the process (tools, tests) starts from an empty one
-        reset_moe_loss_tracker()
         print_rank_0(attention_kernel_line(self.config, self.device))
         note = implementation_note(args, on_cpu=self.device.type == "cpu")
         if note:  # flags naming an implementation that does not run here, and what runs instead
             print_rank_0(f"implementations: {note}")
-        model = build_model(self.config, args, self.padded_vocab_size).to(self.device)
-        # megatron's MoE loss tracker is process-wide and sized once, by the first model's layer count (with
-        # MTP: --num-layers + --mtp-num-layers); a process that builds another model starts it afresh.
-        reset_moe_loss_tracker()
+        stack = build_model_stack(args, self.grid, vocab_size=vocab, device=self.device, config=self.config)
+        self.padded_vocab_size, model = stack.padded_vocab_size, stack.chunks[0]
         MTPLosses.take(0, self.device)
-        if args.bf16:
-            model = Float16Module(self.config, model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=args.overlap_grad_reduce,

@@ -155,7 +155,7 @@ def worker():
     results, cp1_logits = {}, {}
     for layout, flags in {name: LAYOUTS[name] for name in selected(LAYOUTS, opts)}.items():
         trainer = Trainer(parse_args(list(opts.extra) + flags))
-        gen = Generator(trainer)
+        gen = Generator(trainer.model[0])
         results[layout] = {}
         for name, ids in prompts.items():
             out = gen.generate(ids, NEW_TOKENS, logprobs=True)
