@@ -285,11 +285,16 @@ model_parallel_cuda_manual_seed(1)
 
 def fork_workers(script, nproc, args, timeout=600, env=None):
     """`cp_ext.perf.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
-    on ``nproc`` ranks, each rank's ``DIR/rank{r}.json`` in rank order. For tests of what a tool
-    measures; tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
-    from cp_ext.perf.workers import WorkerConfigError, read_config_error
+    (or a package module's, ``script`` its dotted name) on ``nproc`` ranks, each rank's
+    ``DIR/rank{r}.json`` in rank order. For tests of what a tool measures;
+    tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
+    from cp_ext.perf.workers import WorkerConfigError, is_module_name, read_config_error
 
     out = Path(tempfile.mkdtemp(prefix="workers_", dir=session_dir()))
+    if is_module_name(script):  # the fork server runs files: one that runs the module as ``python -m`` does
+        runner = Path(tempfile.mkstemp(prefix="module_", suffix=".py", dir=session_dir())[1])
+        runner.write_text(f"import runpy\nrunpy.run_module({script!r}, run_name='__main__', alter_sys=True)\n")
+        script = runner
     proc = run_script(nproc, script, "--worker", "--out", out, *args, timeout=timeout, env=env, check=False)
     if proc.returncode != 0 and read_config_error(out) is not None:  # as run_workers: the rank's message
         raise WorkerConfigError(read_config_error(out))

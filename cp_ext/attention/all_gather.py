@@ -38,6 +38,7 @@ from cp_ext.attention.kv_message import PairedKV
 from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
 from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
 from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
+from cp_ext.perf.saved_tensors import ALL_GATHER_CALLS
 
 
 class AllGatherPlan:
@@ -115,6 +116,7 @@ def _kernel_view(rows: torch.Tensor) -> torch.Tensor:
     return rows.permute(1, 2, 0, 3)
 
 
+@ALL_GATHER_CALLS.around  # what the call holds while it runs is measurable (cp_ext.perf.saved_tensors)
 def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group, plan: AllGatherPlan,
                             kernel: AttnKernel, softmax_offset=None, message=None, **_):
     """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32), finished.
@@ -134,6 +136,7 @@ def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, grou
     return out.to(q.dtype), lse  # the gathered K/V is freed here: it lives only inside the call
 
 
+@ALL_GATHER_CALLS.around
 def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, group,
                              plan: AllGatherPlan, kernel: AttnKernel, message=None, **_):
     """dq, dk, dv of `all_gather_attn_forward` (K/V gathered again, dK/dV reduce-scattered); with a

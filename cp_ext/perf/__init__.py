@@ -4,7 +4,11 @@ sites and by formula) and per-rank memory formulas.
 * `cp_ext.perf.counter`: the opt-in byte counter the attention call sites report to;
 * `cp_ext.perf.comm`: the formulas for bytes sent per rank by the ring, Ulysses, TP and EP;
 * `cp_ext.perf.memory`: parameter counts and per-rank memory (weights, grads, optimizer,
-  activations, attention state) used by ``tools/plan_parallelism.py``.
+  activations, attention state) used by the planner (``tools/plan_parallelism.py``);
+* `cp_ext.perf.saved_tensors`: measured memory, the bytes autograd saves for backward and what an
+  all-gather attention call holds while it runs (``tools/measure_memory.py``);
+* `cp_ext.perf.workers`: a measurement's ranks under torchrun, each writing its JSON record.
 
-Pure Python (no torch import) so the planner runs anywhere.
+The planner's modules (`memory`, `model_shape`) import no torch, so the planner runs anywhere
+(an import-linter contract in pyproject.toml keeps them so).
 """

@@ -2,7 +2,9 @@
 
     records = run_workers(script, nproc, [*args], timeout=600)   # [rank 0's JSON, rank 1's, ...]
 
-The worker is ``script --worker --out DIR args``; rank r writes ``DIR/rank{r}.json``. The
+The worker is ``script --worker --out DIR args``; rank r writes ``DIR/rank{r}.json``. ``script``
+is a tool's path, or the dotted name of a package module, run as ``python -m`` runs it (workers
+that live in cp_ext: ``run_workers("cp_ext.training.memory_measure", ...)``). The
 directory is a fresh temp directory removed before this returns, whatever happens. torchrun
 starts in a session of its own, so a timeout kills torchrun *and* its ranks: no orphan waits
 forever in a collective. Failures raise `WorkerError` with the job's last output; a rank that
@@ -43,9 +45,15 @@ def read_config_error(out_dir) -> Optional[str]:
     return found[0].read_text() if found else None
 
 
+def is_module_name(script) -> bool:
+    """Whether a worker ``script`` names a package module (``cp_ext.x.y``) rather than a file."""
+    return isinstance(script, str) and not script.endswith(".py") and os.sep not in script and "/" not in script
+
+
 def run_workers(script, nproc: int, args: Sequence[str], timeout: Optional[float] = 600, env=None) -> List[dict]:
+    program = ["-m", script] if is_module_name(script) else [str(Path(script).resolve())]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(script).resolve()), "--worker"]
+           *program, "--worker"]
     run_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     run_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), run_env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="cp_ext_workers_") as out:

@@ -56,7 +56,7 @@ class KeptAttention:
     """The (out, LSE) pairs one attention module kept for the recompute of its layer, oldest first."""
 
     live_bytes = 0
-    """Bytes kept by every instance in this process (read by tools/measure_memory.py)."""
+    """Bytes kept by every instance in this process (read by `cp_ext.training.memory_measure`)."""
 
     def __init__(self):
         self._kept = deque()

@@ -8,26 +8,22 @@ The CP=1 / CP=2 pair runs through the tool's command line, given a training run'
 --global-batch-size of 4 microbatches: it measures one and says so. A flag the trainer refuses is
 one message and exit 2, found by the tool before any launch or by a rank under torchrun.
 
-The tool's ranks are forked (`tests.launch.fork_workers` in place of torchrun, each measurement
-a fresh process as under torchrun), except in the test of a rank's refusal, which runs the tool
-as a user does; tests/tools/test_bench_generate.py runs a tool's torchrun launch too.
+The tests of the command line run the tool as a user does (torchrun and all); the measurements
+behind it (`cp_ext.training.memory_measure`) fork their ranks (`tests.launch.fork_workers` in
+place of torchrun, each measurement a fresh process as under torchrun).
 """
 
-import contextlib
-import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT))
+from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes
+from cp_ext.training import memory_measure
+from tests.launch import fork_workers, run_script
 
-import measure_memory  # noqa: E402
-from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes  # noqa: E402
-from tests.launch import fork_workers  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "measure_memory.py"
 
 FLAGS = ["--device", "cpu", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "2048", "--micro-batch-size", "1",
@@ -38,7 +34,7 @@ SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=384) 
 @pytest.fixture(scope="module", autouse=True)
 def forked_ranks():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(measure_memory, "run_workers", fork_workers)
+        patch.setattr(memory_measure, "run_workers", fork_workers)
         yield
 
 
@@ -46,10 +42,9 @@ def forked_ranks():
 def cli_run(tmp_path_factory):
     """``measure_memory.py --cp 2 --json F -- FLAGS --global-batch-size 4``: (exit status, stdout, records)."""
     out = tmp_path_factory.mktemp("measure") / "records.json"
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        status = measure_memory.main(["--cp", "2", "--json", str(out), "--", *FLAGS, "--global-batch-size", "4"])
-    return status, stdout.getvalue(), json.loads(out.read_text())
+    proc = run_script(0, TOOL, "--cp", "2", "--json", out, "--", *FLAGS, "--global-batch-size", "4", check=False)
+    assert out.exists(), proc.stderr[-6000:]
+    return proc.returncode, proc.stdout, json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +61,17 @@ def test_a_training_runs_global_batch_is_measured_as_one_microbatch(cli_run):
                         "iteration; measuring one (--global-batch-size 1)") == 1, stdout
 
 
-def test_a_refused_flag_is_one_message_and_exit_2_before_any_launch(capsys):
-    assert measure_memory.main(["--cp", "2", "--", *FLAGS, "--seq-length", "30"]) == 2
-    err = capsys.readouterr().err
+def test_a_refused_flag_is_one_message_and_exit_2_before_any_launch():
+    proc = run_script(0, TOOL, "--cp", "2", "--", *FLAGS, "--seq-length", "30", check=False)
+    assert proc.returncode == 2
+    err = proc.stderr
     assert err.startswith("measure_memory.py: configuration error:\n  - --seq-length 30") and "Traceback" not in err
 
 
 def test_a_ranks_refusal_is_one_message_and_exit_2(tmp_path):
     """Known only once a rank opens the data (the valid split too small for --eval-iters): the user's
     command, torchrun and all, prints the rank's message once, no traceback or torchrun report."""
-    from tests.launch import run_script
-
-    proc = run_script(0, ROOT / "tools" / "measure_memory.py", "--cp", "2", "--", *FLAGS, "--eval-interval", "1",
+    proc = run_script(0, TOOL, "--cp", "2", "--", *FLAGS, "--eval-interval", "1",
                       "--eval-iters", "100000", check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("measure_memory.py: configuration error:\n  - --eval-interval: ") == 1, proc.stderr[-3000:]
@@ -106,7 +100,7 @@ def test_planner_estimate_within_15_percent(measured):
 @pytest.fixture(scope="module")
 def measured_recompute():
     """CP=1 and CP=2 under Megatron's plain full recompute and cp_ext's CP-aware one."""
-    return {mode: measure_memory.compare(2, FLAGS + measure_memory.MODES[mode]) for mode in ("full", "full-cp-aware")}
+    return {mode: memory_measure.compare(2, FLAGS + memory_measure.MODES[mode]) for mode in ("full", "full-cp-aware")}
 
 
 def test_recompute_per_rank_activations_split_and_match_the_planner(measured, measured_recompute):
@@ -119,7 +113,7 @@ def test_recompute_per_rank_activations_split_and_match_the_planner(measured, me
         assert all(r["recompute"] == "full" for r in base + split)
         for cp, recs in ((1, base), (2, split)):
             for r in recs:
-                est = measure_memory.planner_estimate(r, FLAGS + measure_memory.MODES[mode], mode)
+                est = memory_measure.planner_estimate(r, FLAGS + memory_measure.MODES[mode], mode)
                 assert abs(est - r["activation_bytes"]) <= 0.15 * r["activation_bytes"], (mode, cp, est, r)
         kept[mode] = base[0]["kept_attention_bytes"]
     # CP-aware keeps attention outputs (and only then); plain keeps none
@@ -130,7 +124,7 @@ def test_recompute_per_rank_activations_split_and_match_the_planner(measured, me
 @pytest.fixture(scope="module")
 def measured_all_gather(measured):
     """The same CP=2 run with every layer's attention all-gathering K/V (CP=1 reused)."""
-    return measure_memory.compare(2, FLAGS, comm_type="all_gather", base=measured[0])
+    return memory_measure.compare(2, FLAGS, comm_type="all_gather", base=measured[0])
 
 
 def test_all_gather_transient_measured_and_planned(measured, measured_all_gather):
@@ -144,10 +138,10 @@ def test_all_gather_transient_measured_and_planned(measured, measured_all_gather
         # saved for backward: the same tensors as the ring's; the transient is what the call held
         assert r["activation_bytes"] == pytest.approx(d["activation_bytes"], rel=0.01)
         assert r["transient_peak_bytes"] >= model, (r["transient_peak_bytes"], model)
-        est = measure_memory.planner_estimate(r, FLAGS, "none")
+        est = memory_measure.planner_estimate(r, FLAGS, "none")
         assert est == activation_bytes(SHAPE, s=2048, cp=2, dtype="fp32", cp_comm_type="all_gather")["total"]
-        assert abs(est - measure_memory.peak(r)) <= 0.15 * measure_memory.peak(r), (est, r)
+        assert abs(est - memory_measure.peak(r)) <= 0.15 * memory_measure.peak(r), (est, r)
         # what all-gather adds to the peak, measured (over the ring's run) and modelled, within the same 15%
-        extra = measure_memory.peak(r) - measure_memory.peak(d)
-        extra_model = est - measure_memory.planner_estimate(d, FLAGS, "none")
-        assert abs(extra - extra_model) <= 0.15 * measure_memory.peak(r), (extra, extra_model)
+        extra = memory_measure.peak(r) - memory_measure.peak(d)
+        extra_model = est - memory_measure.planner_estimate(d, FLAGS, "none")
+        assert abs(extra - extra_model) <= 0.15 * memory_measure.peak(r), (extra, extra_model)

@@ -5,30 +5,25 @@ qk-norm, kv_channels, biases, sinks, windows, quick-GeGLU), in fp32 at CP1, CP2 
 CP-aware full recompute, and in bf16 (as the scripts train: norms and logits stay fp32) at CP2.
 
 One 2-rank launch measures all twenty runs (CP1 runs as DP2 on the same two ranks): the tool's own
-`measure` per run, the process group kept between trainers. The scripts' recompute flags
-(--recompute-activations, --moe-layer-recompute) are dropped: the planner models full recompute
-only.
+`measure` (`cp_ext.training.memory_measure`) per run, the process group kept between trainers. The
+scripts' recompute flags (--recompute-activations, --moe-layer-recompute) are dropped: the planner
+models full recompute only.
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT))
-
-import measure_memory  # noqa: E402
-from tests.families import FAMILIES, tiny  # noqa: E402
-from tests.launch import launch, worker_args, write_results  # noqa: E402
+from cp_ext.training import memory_measure
+from tests.families import FAMILIES, tiny
+from tests.launch import launch, worker_args, write_results
 
 TOLERANCE = 0.05
 DROPPED = {"--bf16", "--recompute-activations", "--moe-layer-recompute"}  # fp32 unless asked; no selective recompute
 CP2 = ["--context-parallel-size", "2", "--global-batch-size", "1"]
 # name: (CP, grid flags, the model / recompute flags the planner reads too, the tool's recompute mode)
 RUNS = {"cp1": (1, ["--global-batch-size", "2"], [], "none"), "cp2": (2, CP2, [], "none"),
-        "cp2-full-cp-aware": (2, CP2, measure_memory.MODES["full-cp-aware"], "full-cp-aware"),
+        "cp2-full-cp-aware": (2, CP2, memory_measure.MODES["full-cp-aware"], "full-cp-aware"),
         "cp2-bf16": (2, CP2, ["--bf16"], "none")}
 
 def flags(family):
@@ -49,7 +44,7 @@ def test_planner_within_5_percent_of_the_measured_activations(family, measured):
             record = results[f"{family}/{run}"]
             assert record["cp"] == cp and record["tokens"] == 256 // cp
             # the CP1 run is DP2: estimated as the one-rank run it is per rank
-            est = measure_memory.planner_estimate(record, flags(family) + extra, mode)
+            est = memory_measure.planner_estimate(record, flags(family) + extra, mode)
             got = record["activation_bytes"]
             assert abs(est / got - 1) <= TOLERANCE, (family, run, rank, est, got, est / got - 1)
 
@@ -69,7 +64,7 @@ def worker():
     results = {}
     for family in FAMILIES:
         for run, (_, grid, extra, _) in RUNS.items():
-            record = measure_memory.measure(flags(family) + grid + extra, 2)
+            record = memory_measure.measure(flags(family) + grid + extra, 2)
             record.pop("largest")
             results[f"{family}/{run}"] = record
     write_results(opts.results_dir, results)
