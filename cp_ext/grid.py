@@ -98,3 +98,24 @@ class Grid:
         from cp_ext import parallel_state as cp_state
 
         cp_state.destroy_grid()
+
+
+def initialize_distributed(args, device) -> Grid:
+    """Start a run's ranks: torch.distributed, then the grid in ``args`` (`Grid.initialize`: one already in
+    place with the same sizes is kept), then the seeds megatron's model construction reads. Returns the
+    grid. The trainer, generation, HF conversion and the tools all start here."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from cp_ext.platform import distributed_backend
+
+    if not dist.is_initialized():
+        # --distributed-timeout-minutes reaches the world group too (and every grid group: `Grid.initialize`)
+        dist.init_process_group(backend=distributed_backend(device),
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    grid = Grid.from_args(args, world_size=dist.get_world_size())
+    grid.initialize(args.distributed_timeout_minutes)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    return grid

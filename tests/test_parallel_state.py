@@ -94,7 +94,7 @@ def _grid_reuse():
     from torch.distributed import distributed_c10d as c10d
 
     from cp_ext.platform import setup_platform
-    from cp_ext.training.setup import initialize_distributed
+    from cp_ext.grid import initialize_distributed
 
     from cp_ext import parallel_state as ps
 

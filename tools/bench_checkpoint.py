@@ -22,9 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
 KINDS = {"adam": [], "distributed-adam": ["--use-distributed-optimizer"]}
 
 

@@ -1,8 +1,8 @@
 """Generation at CP = 1, 2, 4 side by side in one run: KV-cache bytes per rank, prefill tokens/s,
 decode ms/token, and the bytes a rank receives per decoded token and layer against the formula.
 
-Launches the real Trainer and `cp_ext.inference.Generator` under torchrun once on ``--nproc``
-ranks (4 on CPU); for every CP size dividing it (CP1 runs as DP4, CP2 as DP2: every rank
+Launches the model (`cp_ext.training.setup.model_from_flags`) and `cp_ext.inference.Generator` under
+torchrun once on ``--nproc`` ranks (4 on CPU); for every CP size dividing it (CP1 runs as DP4, CP2 as DP2: every rank
 generates, as tools/generate.py does), it prefills one random ``--prompt-length``-token prompt
 and decodes ``--new-tokens`` greedily, ``--repeats`` times, alternating the sizes (this machine
 is shared and noisy: the ratios are measured in the same run). Default model: the passkey
@@ -20,9 +20,6 @@ import os
 import statistics
 import sys
 from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 # name: (CP, Ulysses size); the ring is C / U
 LAYOUTS = {"1": (1, 1), "2 ring": (2, 1), "2 ulysses": (2, 2), "4 ring": (4, 1), "4 hybrid": (4, 2)}
@@ -44,19 +41,19 @@ def _worker(argv):
     from cp_ext.arguments import parse_args
     from cp_ext.inference import Generator, decode_bytes_per_token_layer
     from cp_ext.perf.counter import count_comm
-    from cp_ext.training.trainer import Trainer
+    from cp_ext.training.setup import model_from_flags
 
     torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])  # the process group starts with the first Trainer
+    world = int(os.environ["WORLD_SIZE"])  # the process group starts with the first model
     layouts = {name: cu for name, cu in LAYOUTS.items() if world % cu[0] == 0}
     prompt = torch.randint(0, 256, (known.prompt_length,), generator=torch.Generator().manual_seed(0)).tolist()
     results = {name: {"prefill_s": [], "decode_s": []} for name in layouts}
     for repeat in range(known.repeats):
         for name in (list(layouts) if repeat % 2 == 0 else list(reversed(layouts))):
             cp, u = layouts[name]
-            trainer = Trainer(parse_args([f for f in flags if f != "--"] + [
+            stack, _ = model_from_flags(parse_args([f for f in flags if f != "--"] + [
                 "--context-parallel-size", str(cp), "--ulysses-size", str(u)]))
-            gen = Generator(trainer)
+            gen = Generator(stack.chunks[0])
             gen.generate(prompt, 2)  # warm-up: first calls allocate and pick kernels
             dist.barrier()
             with count_comm() as counted:
@@ -65,7 +62,7 @@ def _worker(argv):
             r["prefill_s"].append(out.prefill_seconds)
             r["decode_s"].append(out.decode_seconds / out.decode_steps)
             r["cache_bytes"] = out.cache_bytes
-            config = trainer.config
+            config = stack.config
             tokens_decoded = out.decode_steps
             sent = sum(v for k, v in counted.bytes.items() if k.startswith("decode_"))
             r["counted_bytes_per_token_layer"] = sent / (tokens_decoded * config.num_layers)

@@ -114,16 +114,15 @@ def main():
     p.add_argument("--shard-size", default="500MB", help="the release's and the export's shard size")
     p.add_argument("--workdir", default=None, help="default: a temporary directory, removed at the end")
     a = p.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from tools.convert_hf import _bytes
+    from cp_ext.hf.convert import size_in_bytes
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench_hf_streaming_"))
     try:
         gib = 2 ** 30
         c = qwen3_moe_config(a.layers, a.experts, a.hidden_size, a.moe_ffn_hidden_size, a.vocab_size)
-        total, shard, layer = write_release(work / "release", c, _bytes(a.shard_size))
+        total, shard, layer = write_release(work / "release", c, size_in_bytes(a.shard_size))
         floor_config = {**c, "num_hidden_layers": 1, "num_experts": 4, "vocab_size": 512}
-        write_release(work / "floor", floor_config, _bytes(a.shard_size))
+        write_release(work / "floor", floor_config, size_in_bytes(a.shard_size))
         floor, _ = peak_rss("import", "--hf-dir", work / "floor", "--save", work / "floor_ckpt", "--bf16")
         imported, t_import = peak_rss("import", "--hf-dir", work / "release", "--save", work / "ckpt", "--bf16")
         exported, t_export = peak_rss("export", "--load", work / "ckpt", "--hf-dir", work / "exported",

@@ -22,18 +22,15 @@ scale with the heads and the latent does not.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from cp_ext.attention import all_gather_attention, ring_attention  # noqa: E402
-from cp_ext.perf.comm import mla_exchange_bytes  # noqa: E402
-from cp_ext.perf.counter import count_comm  # noqa: E402
+from cp_ext.attention import all_gather_attention, ring_attention
+from cp_ext.perf.comm import mla_exchange_bytes
+from cp_ext.perf.counter import count_comm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

@@ -25,9 +25,6 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
 MODES = {
     "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None, cp_aware_recompute=False),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, cp_aware_recompute=False),

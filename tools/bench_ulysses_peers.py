@@ -20,17 +20,13 @@ outputs are checked equal (1e-5) before timing.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from cp_ext.attention import ulysses_attention  # noqa: E402
+from cp_ext.attention import ulysses_attention
 
 
 class _ListAllToAll(torch.autograd.Function):

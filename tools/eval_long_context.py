@@ -32,9 +32,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
 
 def _tool_args(argv):
     p = argparse.ArgumentParser(add_help=False)

@@ -21,8 +21,6 @@ import sys
 import warnings
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -159,7 +157,7 @@ def main(argv=None):
         exit_with_config_error("generate.py", e)
 
     from cp_ext.inference import Generator, Sampling
-    from cp_ext.training.trainer import Trainer
+    from cp_ext.training.setup import leave_distributed, model_from_flags
 
     def say(text):
         if rank0:
@@ -172,10 +170,10 @@ def main(argv=None):
     if not args.load:
         say(f"note: no --load: generating from the random initialization of --seed {args.seed}")
     try:
-        trainer = Trainer(args)
+        stack, _ = model_from_flags(args)  # the model and --load's weights; no data, optimizer or DDP
     except ConfigError as e:  # known once the checkpoint is open: a model that is not the checkpoint's
         exit_with_config_error("generate.py", e)
-    generator = Generator(trainer)
+    generator = Generator(stack.chunks[0])
     sampling = Sampling(temperature=tool.temperature, top_k=tool.top_k, top_p=tool.top_p, seed=args.seed)
     records = []
     if tool.passkey_samples:
@@ -204,7 +202,7 @@ def main(argv=None):
         Path(tool.output).parent.mkdir(parents=True, exist_ok=True)
         Path(tool.output).write_text("".join(json.dumps(r) + "\n" for r in records))
         print(f"wrote {tool.output}", flush=True)
-    trainer.shutdown()
+    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,16 @@
-"""What a run sets up before its loop: torch.distributed and the grid, and a model with its weights.
+"""A model with its weights, for what needs a model and not a run (generation, the tools):
 
-    grid = initialize_distributed(args, device)      # the trainer's first step
-    stack, device = model_from_flags(args)           # generation and the tools that need a model, not a run
+    stack, device = model_from_flags(args)
+    ...
+    leave_distributed()
 
 `model_from_flags` is the trainer's start without the data, the optimizer and DDP: the platform, the
 grid, the model from the one factory (`cp_ext.models.factory.build_model_stack`) and, with ``--load``,
 the checkpoint's weights only (its iteration, optimizer and RNG states are a run's, not a model's).
 """
 
-from datetime import timedelta
-
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from cp_ext import __version__
 from cp_ext import parallel_state as cp_state
@@ -21,29 +18,15 @@ from cp_ext.arguments import model_args
 from cp_ext.checkpoint.checkpointer import Checkpointer
 from cp_ext.console import print_rank_0
 from cp_ext.data.datasets import data_vocab_size
-from cp_ext.grid import Grid
+from cp_ext.grid import initialize_distributed
 from cp_ext.megatron_version import versions_line
 from cp_ext.models.factory import build_model_stack
-from cp_ext.platform import distributed_backend, setup_platform
-
-
-def initialize_distributed(args, device) -> Grid:
-    """torch.distributed, then the grid in `args` (`Grid.initialize`: one already in place with the same
-    sizes is kept), then the seeds. Returns the grid."""
-    if not dist.is_initialized():
-        # --distributed-timeout-minutes reaches the world group too (and every grid group: `Grid.initialize`)
-        dist.init_process_group(backend=distributed_backend(device),
-                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    grid = Grid.from_args(args, world_size=dist.get_world_size())
-    grid.initialize(args.distributed_timeout_minutes)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    return grid
+from cp_ext.platform import setup_platform
 
 
 def model_from_flags(args):
-    """This rank's model for the flags in ``args``, with ``--load``'s weights: (ModelStack, device).
-    The vocabulary is the data's, as in training (`data_vocab_size`), so the embedding is the one the
+    """This rank's model for the flags in ``args``, with ``--load``'s weights: (ModelStack, device). The
+    ranks start as the trainer's do (`cp_ext.grid.initialize_distributed`). The vocabulary is the data's, as in training (`data_vocab_size`), so the embedding is the one the
     checkpoint holds; a model that is not the checkpoint's is a ConfigError naming the flags."""
     device = setup_platform(None if args.device == "auto" else args.device)
     grid = initialize_distributed(args, device)

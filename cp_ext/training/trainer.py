@@ -44,7 +44,7 @@ from cp_ext.training.logging import IterationLog
 from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.signals import ExitSignalHandler
-from cp_ext.training.setup import initialize_distributed
+from cp_ext.grid import initialize_distributed
 from cp_ext.training.steps import forward_step
 
 

@@ -1,20 +1,18 @@
 """tools/plan_parallelism.py and cp_ext.perf: exact against hand arithmetic (pure Python, fast)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT))
-
-import plan_parallelism as planner  # noqa: E402
-from cp_ext.perf import comm  # noqa: E402
-from cp_ext.perf.memory import (  # noqa: E402
+from cp_ext.cli import plan as plan_cli
+from cp_ext.perf import comm
+from cp_ext.perf import plan as planner
+from cp_ext.perf.memory import (
     GiB, PRESETS, Grid, ModelShape, activation_bytes, all_gather_transient_bytes, bytes_per_param, kv_state_bytes,
     params_per_layer, rank_memory, total_params, weight_bytes,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.quick
@@ -30,7 +28,7 @@ def test_kv_arithmetic_7b_and_70b_at_128k():
 
 
 def test_kv_arithmetic_cli(capsys):
-    assert planner.main(["--model", "llama2-70b", "--kv-arithmetic"]) == 0
+    assert plan_cli.main(["--model", "llama2-70b", "--kv-arithmetic"]) == 0
     out = capsys.readouterr().out
     assert "= 320.0 GiB" in out and "= 40.0 GiB" in out
 
@@ -174,10 +172,10 @@ def test_planner_ranks_all_gather_layouts_when_asked(capsys):
                                       ulysses=1, dtype="bf16", comm_type="all_gather")
         assert p.comm_per_layer["cp_all_gather"] == sum(cpb["all_gather_kv"].values()) + cpb["reduce_scatter_dkv"]["bwd"]
         assert p.comm_per_layer["cp_ring"] == p.comm_per_layer["cp_ulysses"] == 0
-    assert planner.main(["--layers", "6", "--hidden", "1024", "--heads", "12", "--kv-heads", "4", "--ffn", "4096",
-                         "--vocab", "32000", "--seq-length", "12288", "--global-batch", "6", "--gpu-memory-gib", "24",
-                         "--gpus-per-node", "4", "--nodes", "2", "--cp-comm-types", "a2a+p2p", "all_gather",
-                         "--top", "50"]) == 0
+    assert plan_cli.main(["--layers", "6", "--hidden", "1024", "--heads", "12", "--kv-heads", "4", "--ffn", "4096",
+                          "--vocab", "32000", "--seq-length", "12288", "--global-batch", "6", "--gpu-memory-gib", "24",
+                          "--gpus-per-node", "4", "--nodes", "2", "--cp-comm-types", "a2a+p2p", "all_gather",
+                          "--top", "50"]) == 0
     out = capsys.readouterr().out
     assert "(AG)" in out and "all-gather transient" in out and "(U1xR" in out
 
@@ -204,8 +202,8 @@ def test_small_model_layouts_ranked_and_invalid_excluded_with_reason():
 
 
 def test_cli_runs(capsys):
-    assert planner.main(["--model", "mixtral-8x7b", "--seq-length", "32768", "--global-batch", "32", "--nodes", "2",
-                         "--top", "3", "--show-invalid"]) == 0
+    assert plan_cli.main(["--model", "mixtral-8x7b", "--seq-length", "32768", "--global-batch", "32", "--nodes", "2",
+                          "--top", "3", "--show-invalid"]) == 0
     out = capsys.readouterr().out
     assert "fits:" in out and "excluded" in out and "EP" in out
 
@@ -214,7 +212,7 @@ def test_cli_runs(capsys):
 @pytest.mark.parametrize("flags", [["--layers", "2"], []])
 def test_cli_needs_a_model(flags):
     with pytest.raises(SystemExit):
-        planner.main(flags)
+        plan_cli.main(flags)
 
 
 # The 128K family configs: (nodes of 8 x 80 GiB GPUs, total parameters in billions, planned GiB per rank).

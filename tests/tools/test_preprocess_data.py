@@ -3,23 +3,16 @@
 Bad input (non-string values, non-object lines, invalid JSON or UTF-8, no documents) is one
 line on stderr naming the file, line and key, exit status 2, and never touches an earlier output."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
+from cp_ext.data import preprocess
 from cp_ext.data.tokenizers import build_tokenizer
 from tests.launch import REPO_ROOT, run_script
 
 DOCS = [f"document {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(40)]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", REPO_ROOT / "tools" / "preprocess_data.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def _run(tmp_path, *flags, in_process=False):
@@ -27,7 +20,7 @@ def _run(tmp_path, *flags, in_process=False):
     source.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
     argv = ["--input", str(source), "--json-keys", "text", "--output-prefix", str(tmp_path / "out"), "--append-eod", *flags]
     if in_process:  # the tool's main(), without paying a second interpreter start
-        _tool().main(argv)
+        preprocess.main(argv)
     else:  # the command line, with worker processes
         run_script(0, REPO_ROOT / "tools" / "preprocess_data.py", *argv)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -66,7 +59,7 @@ def _fails(tmp_path, capsys, content: bytes, *flags):
     source = tmp_path / "bad.jsonl"
     source.write_bytes(content)
     with pytest.raises(SystemExit) as e:
-        _tool().main(["--input", str(source), "--output-prefix", str(tmp_path / "out"), *flags])
+        preprocess.main(["--input", str(source), "--output-prefix", str(tmp_path / "out"), *flags])
     assert e.value.code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no temp files
     err = capsys.readouterr().err
@@ -114,7 +107,7 @@ def test_only_empty_documents_is_an_error(tmp_path, capsys):
 def test_utf8_byte_order_mark_is_accepted(tmp_path):
     source = tmp_path / "bom.jsonl"
     source.write_bytes(b'\xef\xbb\xbf{"text": "hi"}\n')
-    _tool().main(["--input", str(source), "--output-prefix", str(tmp_path / "out")])
+    preprocess.main(["--input", str(source), "--output-prefix", str(tmp_path / "out")])
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data = IndexedDataset(str(tmp_path / "out_text_document"))  # held: its mmap backs data[0]
@@ -144,7 +137,7 @@ def test_failing_rerun_keeps_the_earlier_output(tmp_path):
                      "out_text_document.maxid.json"]
     # a good re-run renames complete files over the old pair and drops the old pair's cache
     bad.write_text(json.dumps({"text": "replacement"}) + "\n")
-    _tool().main(argv[:-2])
+    preprocess.main(argv[:-2])
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data = IndexedDataset(str(tmp_path / "out_text_document"))
