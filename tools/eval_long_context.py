@@ -102,32 +102,33 @@ def _loss_step(collected, buckets, length, data_iterator, model):
     return losses, bucketize
 
 
-def _run_forward(trainer, dataset, step):
-    """Every sample of `dataset` once through megatron's forward-only schedule."""
+def _run_forward(args, stack, device, dataset, step):
+    """Every sample of `dataset` once through megatron's forward-only schedule, each CP rank its shard."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from cp_ext import parallel_state as cp_state
     from cp_ext.training.batches import microbatches
 
-    args = trainer.args
-    per_batch = args.micro_batch_size * trainer.dp_size
-    import torch
-
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    per_batch = args.micro_batch_size * dp_size
+    positions = cp_state.get_context_parallel_positions(args.seq_length, stack.config.cp_layout)
     with torch.no_grad():
-        for chunk in trainer.model:
+        for chunk in stack.chunks:
             chunk.eval()
         for start in range(0, len(dataset), per_batch):
             data = microbatches(dataset, consumed_samples=start, global_batch_size=per_batch,
-                                micro_batch_size=args.micro_batch_size, dp_rank=trainer.dp_rank,
-                                dp_size=trainer.dp_size, device=trainer.device, positions=trainer.cp_positions,
+                                micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                device=device, positions=positions,
                                 first_stage=parallel_state.is_pipeline_first_stage(),
                                 last_stage=parallel_state.is_pipeline_last_stage())
-            get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=trainer.model,
+            get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=stack.chunks,
                                         num_microbatches=1, seq_length=args.seq_length,
                                         micro_batch_size=args.micro_batch_size, forward_only=True)
 
 
-def evaluate_length(trainer, tool, length):
+def evaluate_length(args, stack, device, tool, length):
     """{'accuracy': {depth: fraction}, 'loss_by_position': [...], 'peak_memory_bytes': [...per rank]}."""
     import torch
     import torch.distributed as dist
@@ -136,24 +137,23 @@ def evaluate_length(trainer, tool, length):
     from cp_ext.data.passkey import PasskeyDataset
     from cp_ext.platform import memory_bytes
 
-    args = trainer.args
     accuracy = {}
     for depth in tool.depths:
         dataset = PasskeyDataset(length, tool.samples, seed=args.data_seed + 17, depth=depth)
         collected = []
-        _run_forward(trainer, dataset, partial(_answer_step, collected))
-        wrong = torch.zeros(tool.samples, dtype=torch.float64, device=trainer.device)
+        _run_forward(args, stack, device, dataset, partial(_answer_step, collected))
+        wrong = torch.zeros(tool.samples, dtype=torch.float64, device=device)
         for sample, count in collected:
             wrong[sample] += count
         dist.all_reduce(wrong)
         accuracy[str(depth)] = (wrong == 0).double().mean().item()
-    sums = [torch.zeros(tool.position_buckets, dtype=torch.float64, device=trainer.device) for _ in range(2)]
+    sums = [torch.zeros(tool.position_buckets, dtype=torch.float64, device=device) for _ in range(2)]
     text = build_split_dataset(args, "valid", tool.samples)
-    _run_forward(trainer, text, partial(_loss_step, sums, tool.position_buckets, length))
+    _run_forward(args, stack, device, text, partial(_loss_step, sums, tool.position_buckets, length))
     for t in sums:
         dist.all_reduce(t)
     losses = [None if count == 0 else total / count for total, count in zip(sums[0].tolist(), sums[1].tolist())]
-    peak = torch.tensor([float(memory_bytes())], dtype=torch.float64, device=trainer.device)
+    peak = torch.tensor([float(memory_bytes())], dtype=torch.float64, device=device)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     return {"accuracy": accuracy, "loss_by_position": losses, "peak_memory_bytes": [int(p.item()) for p in peaks]}
@@ -208,21 +208,17 @@ def main(argv=None):
     except ConfigError as e:
         exit_with_config_error("eval_long_context.py", e)
 
-    from cp_ext.training.trainer import Trainer
+    from cp_ext.training.setup import leave_distributed, model_from_flags
 
     results = {}
-    for length in tool.lengths:
-        trainer = Trainer(parse_args(rest + ["--finetune", "--seq-length", str(length)]))
-        results[str(length)] = evaluate_length(trainer, tool, length)
-        last = length == tool.lengths[-1]
-        if last:
-            world = trainer.args.world_size
-            layout = (f"TP {trainer.args.tensor_model_parallel_size} x PP {trainer.args.pipeline_model_parallel_size}"
-                      f" x CP {trainer.args.context_parallel_size} (Ulysses {trainer.args.ulysses_size}) x "
-                      f"DP {trainer.dp_size}")
-            trainer.shutdown()
-        else:
-            trainer.shutdown(keep_process_group=True)
+    for length in tool.lengths:  # the model at each length (RoPE and the CP layout depend on it), weights only
+        args = parse_args(rest + ["--finetune", "--seq-length", str(length)])
+        stack, device = model_from_flags(args)
+        results[str(length)] = evaluate_length(args, stack, device, tool, length)
+    world = args.world_size
+    layout = (f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x CP "
+              f"{args.context_parallel_size} (Ulysses {args.ulysses_size}) x DP {args.data_parallel_size}")
+    leave_distributed()
     if not rank0:
         return
     out = Path(tool.out_dir)
