@@ -1,4 +1,5 @@
-"""Tokenize a JSONL corpus into Megatron indexed datasets (Megatron-LM's flag spellings).
+"""Tokenize a JSONL corpus into Megatron indexed datasets (Megatron-LM's flag spellings; the command
+line is `cp_ext.cli.preprocess_data`).
 
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix data/corpus \\
         --append-eod --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json --workers 4
@@ -8,26 +9,19 @@ IndexedDatasetBuilder; train on it with `pretrain_moe.py --data-path data/corpus
 and the same --tokenizer-type/--tokenizer-model. One JSON object per line, one document each.
 """
 
-import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 
-from cp_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from cp_ext.flag_types import POSITIVE
+from cp_ext.data.tokenizers import build_tokenizer
 
 _TOKENIZER = None  # this process's tokenizer: each worker builds its own (`_init_worker`)
 
 
 class InputError(Exception):
-    """A problem with --input, or the output, worth one line on stderr and exit status 2."""
-
-
-def _fail(message):
-    print(f"preprocess_data.py: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    """A problem with --input or the output, named with its flag and the fix (the command line prints it
+    as one line and exits 2: `cp_ext.cli.preprocess_data`)."""
 
 
 def _init_worker(tokenizer_type, tokenizer_model):
@@ -77,19 +71,6 @@ def _encode(job):
     return number, out
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="JSONL file, one document per line")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
-    p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
-    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer")
-    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
-    p.add_argument("--workers", type=POSITIVE, default=1, help="tokenizing processes")
-    p.add_argument("--log-interval", type=POSITIVE, default=10000, help="documents between progress lines")
-    return p.parse_args(argv)
-
-
 def _tokenize_into(args, writers, start):
     """Tokenize --input into `writers` ({key: IndexedDatasetWriter}); returns the document count."""
     docs = 0
@@ -118,15 +99,15 @@ def _tokenize_into(args, writers, start):
     return docs
 
 
-def main(argv=None) -> int:
-    """The command line: exit status 2 (`SystemExit`) with one line on stderr for a bad input or output."""
-    args = parse_args(argv)
+def preprocess(args) -> str:
+    """Tokenize ``args.input`` (the command line's flags) into PREFIX_<key>_document.bin/.idx; returns the
+    summary line. Raises `InputError` for a bad input or output, having written nothing."""
     if not os.path.isfile(args.input):
-        _fail(f"--input {args.input}: no such file")
+        raise InputError(f"--input {args.input}: no such file")
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except ValueError as e:
-        _fail(str(e))
+        raise InputError(str(e)) from None
     from megatron.core.datasets.indexed_dataset import DType
 
     from cp_ext.data.indexed import IndexedDatasetWriter
@@ -153,12 +134,13 @@ def main(argv=None) -> int:
     except (InputError, OSError) as e:
         for writer in writers.values():
             writer.discard()
-        _fail(str(e) if isinstance(e, InputError) else f"--output-prefix {args.output_prefix}: {e}; nothing written")
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"--output-prefix {args.output_prefix}: {e}; nothing written") from None
     except BaseException:
         for writer in writers.values():
             writer.discard()
         raise
     tokens = sum(w.tokens for w in writers.values())
-    print(f"wrote {', '.join(p + '.bin/.idx' for p in prefixes.values())}: {docs} documents, {tokens} tokens, "
-          f"vocab {tokenizer.vocab_size} ({args.tokenizer_type}), {time.time() - start:.1f}s", flush=True)
-    return 0
+    return (f"wrote {', '.join(p + '.bin/.idx' for p in prefixes.values())}: {docs} documents, {tokens} tokens, "
+            f"vocab {tokenizer.vocab_size} ({args.tokenizer_type}), {time.time() - start:.1f}s")

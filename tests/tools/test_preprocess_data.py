@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from cp_ext.data import preprocess
+from cp_ext.cli import preprocess_data as preprocess
 from cp_ext.data.tokenizers import build_tokenizer
 from tests.launch import REPO_ROOT, run_script
 
