@@ -24,6 +24,8 @@ _OWNED = []
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: in the quick subset (pytest -m quick), the edit-run loop")
+    config.addinivalue_line("markers", "gpu: the GPU check's tests (tests/gpu; run by tools/gpu_check.sh, "
+                                       "left out of `pytest tests`: see tests/gpu/conftest.py)")
     if not _OWNED:
         root = tempfile.mkdtemp(prefix="cp_ext_suite_")
         _OWNED.append(root)

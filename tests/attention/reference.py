@@ -3,7 +3,7 @@
 `measure` draws seeded full-sequence q, k, v, dout (float64), runs float64 and in-dtype
 `F.scaled_dot_product_attention` on the whole sequence, runs the variant under test on this
 rank's tokens, and returns its errors. Used by test_ring, test_ulysses and test_hybrid (on CPU),
-by test_documents through `error_stats`, and by tools/gpu_check.py's NCCL worker
+by test_documents through `error_stats`, and by the GPU check's NCCL worker (tests/gpu/multi_gpu.py)
 (``device="cuda:<local rank>"``). `check_bounds` is the one place the bounds live.
 
 The fp32 bounds, derived
