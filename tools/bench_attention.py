@@ -27,7 +27,7 @@ slowest rank's:
   all-gathered, dK/dV reduce-scattered); not in the default list, ask for it with --variants.
 
 ``--documents N``: every sample is N equal documents (ids made for the whole sequence and
-sharded like the tokens, `cp_ext.data.sharding.context_parallel_positions`). The ring and
+sharded like the tokens, `cp_ext.layout.context_parallel_positions`). The ring and
 all_gather (default variants then: ``ring,all_gather``) also run with these ``document_ids``,
 interleaved with their own runs without (``ring+docs`` right after ``ring``), and are reported
 side by side: forward tiles computed per rank and query-key pairs computed (`count_work`: a
@@ -57,7 +57,7 @@ from cp_ext.attention.bench import (
     DTYPES, VARIANTS, attention_call, build_groups, count_variants, no_comm, report, report_paired, time_interleaved,
 )
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.data.sharding import context_parallel_positions
+from cp_ext.layout import context_parallel_positions
 
 
 def main(argv=None):

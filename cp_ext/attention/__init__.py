@@ -25,7 +25,7 @@ Building blocks: ``ring_attn_forward`` / ``ring_attn_backward`` on ``[b, h, s, d
 ``RingComm``, ``update_out_and_lse`` and ``add_sink`` (utils.py), the differentiable ``all_to_all``,
 and the local kernels behind ``get_kernel`` (kernels/, one file per backend; ``kernel=`` names
 one, None or "auto" picks one per call by device, dtype, head dims and window). The layout
-contract (who holds which tokens) is `cp_ext.data.sharding.context_parallel_positions`.
+contract (who holds which tokens) is `cp_ext.layout.context_parallel_positions`.
 """
 
 from cp_ext.attention.dispatch import (

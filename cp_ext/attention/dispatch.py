@@ -38,7 +38,7 @@ from cp_ext.attention.masks import make_window, plan_tile
 from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
 from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads
 from cp_ext.attention.utils import accum_dtype, add_sink, sink_grad
-from cp_ext.data.sharding import LAYOUTS
+from cp_ext.layout import LAYOUTS
 
 
 def _check_inputs(q, k, v, softmax_offset, up_weight=None):
@@ -346,7 +346,7 @@ def _rank(group):
 def _all_gather_layout(q, layout, group, positions):
     """The all-gather group and this rank's global positions: those `all_gather_attention` was given
     (``group``; ``positions``, default ``layout`` over it), else the run's CP group and layout."""
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     if group is not None:
         if positions is None:

@@ -6,7 +6,7 @@ ring rank ``src = (r - t) mod C``. The next block is already in flight while the
 one is computed. Partial outputs are merged with the LSE rule in fp32
 (`cp_ext.attention.utils.update_out_and_lse`).
 
-Zigzag layout (`cp_ext.data.zigzag_shard`): the sequence is cut into 2C chunks, ring rank
+Zigzag layout (`cp_ext.layout.zigzag_shard`): the sequence is cut into 2C chunks, ring rank
 r holds chunks (r, 2C-1-r) as its [first half | second half]. What a step computes
 follows from the chunk order alone::
 
@@ -66,7 +66,7 @@ from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.kv_message import PairedKV
 from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
 from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
-from cp_ext.data.sharding import LAYOUTS, check_seq_len, context_parallel_positions
+from cp_ext.layout import LAYOUTS, check_seq_len, context_parallel_positions
 from cp_ext.perf.counter import WORK_COUNTER
 
 class RingSchedule:

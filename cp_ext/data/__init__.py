@@ -1,6 +1,7 @@
-"""Data-side helpers for context parallelism: sharding a sequence over the CP ranks."""
+"""Datasets, tokenizers and packed documents. The CP layout (which positions each CP rank holds) is
+`cp_ext.layout`; its sharding helpers stay importable from here, where earlier releases had them."""
 
-from cp_ext.data.sharding import (
+from cp_ext.layout import (
     LAYOUTS,
     check_seq_len,
     contiguous_shard,

@@ -44,7 +44,7 @@ from cp_ext.attention.kernels import get_kernel
 from cp_ext.attention.kv_message import LatentKV
 from cp_ext.attention.ulysses import kv_replicas, seq_to_heads
 from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
-from cp_ext.data.sharding import context_parallel_positions
+from cp_ext.layout import context_parallel_positions
 from cp_ext.perf.counter import COMM_COUNTER
 
 

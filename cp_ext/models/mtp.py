@@ -48,7 +48,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
-from cp_ext.data.sharding import context_parallel_positions
+from cp_ext.layout import context_parallel_positions
 from cp_ext.transformer.norms import SequenceParallelNorm
 
 

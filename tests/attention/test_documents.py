@@ -135,7 +135,7 @@ def reference(q, k, v, dout, ids, causal, dtype):
 
 
 def _positions(variant, rank):
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     if variant in ("hybrid_u2r2", "all_gather_u2r2"):  # Ulysses [0, 1] [2, 3], rings [0, 2] [1, 3]
         return context_parallel_positions(S, ring_rank=rank // 2, ring_size=2, ulysses_rank=rank % 2, ulysses_size=2)
@@ -208,7 +208,7 @@ def _skipping(groups, rank):
     import torch
 
     from cp_ext.attention import ring_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
     from cp_ext.perf.counter import count_comm, count_work
 
     res = {}

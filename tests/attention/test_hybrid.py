@@ -92,7 +92,7 @@ def _run(case, ulysses_group, ring_group, sends, posts):
 
     from cp_ext import parallel_state as ps
     from cp_ext.attention.dispatch import context_parallel_attention, hybrid_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     if case["via"] == "cpattn":
         pos = ps.get_context_parallel_positions(case["s"], layout=case["layout"])

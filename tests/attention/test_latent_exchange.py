@@ -68,7 +68,7 @@ def _variant(case, groups, rank):
     import torch.distributed as dist
 
     from cp_ext.attention import all_gather_attention, local_attention, ring_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     kw = dict(causal=case["causal"], window_size=case["window"])
     via = case["via"]

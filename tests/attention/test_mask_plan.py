@@ -14,7 +14,7 @@ import torch
 
 from cp_ext.attention.documents import document_runs
 from cp_ext.attention.masks import make_window, plan_tile, position_runs
-from cp_ext.data.sharding import context_parallel_positions
+from cp_ext.layout import context_parallel_positions
 
 
 def _truth(pq, pk, causal, window, dq, dk):

@@ -89,7 +89,7 @@ def _variant(case, groups, rank):
     import torch.distributed as dist
 
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     via, s, kw = case["via"], case["s"], dict(causal=case["causal"], window_size=case["window"])
     if via.startswith("ring"):

@@ -56,7 +56,7 @@ def _run_case(case, groups, recorder):
     import torch.distributed as dist
 
     from cp_ext.attention import ring_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
 
     group = groups[case["ring"]]
     r, size = dist.get_rank(group), dist.get_world_size(group)

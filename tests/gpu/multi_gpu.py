@@ -133,7 +133,7 @@ def main():
     import torch.distributed as dist
 
     from cp_ext.attention import hybrid_attention, ring_attention, ulysses_attention
-    from cp_ext.data.sharding import context_parallel_positions
+    from cp_ext.layout import context_parallel_positions
     from tests.attention.reference import measure
 
     parser = argparse.ArgumentParser()

@@ -36,7 +36,7 @@ import torch
 from cp_ext.attention.kernels import get_kernel
 from cp_ext.attention.ring import ring_attn_backward, ring_attn_forward
 from cp_ext.attention.utils import accum_dtype
-from cp_ext.data.sharding import zigzag_positions
+from cp_ext.layout import zigzag_positions
 from tests.gpu.one_device import (DTYPES, SIM, document_attention, document_ids, inputs, max_err,
                                   reference_errors, single_device)
 from tests.gpu.rows import FAIL, judge, row

@@ -1,6 +1,7 @@
-"""Sequence sharding for context parallelism: the zigzag (load-balanced causal) layout.
+"""The CP layout contract: which global positions of a sequence each CP rank holds. The data loader
+shards samples by it, and attention, RoPE, MTP and the KV cache read positions from it.
 
-The sequence is cut into ``2*C`` equal chunks; rank ``r`` of a ring of size ``C`` holds
+The zigzag (load-balanced causal) layout: the sequence is cut into ``2*C`` equal chunks; rank ``r`` of a ring of size ``C`` holds
 chunks ``r`` and ``2C-1-r`` (concatenated in that order)::
 
     C = 4, 8 chunks:   | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
