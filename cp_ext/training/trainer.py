@@ -43,6 +43,7 @@ from cp_ext.training.evaluation import SPLIT_NAMES, evaluate_and_report
 from cp_ext.training.logging import IterationLog
 from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
+from cp_ext.training.report import attention_kernel_line, training_line
 from cp_ext.training.signals import ExitSignalHandler
 from cp_ext.grid import initialize_distributed
 from cp_ext.training.steps import forward_step
@@ -68,58 +69,6 @@ def train_samples(args):
                  f"order while the number of passes over the data stays the same and reshuffles when it grows, so "
                  f"samples after the {saved['consumed_samples']} consumed ones may then repeat earlier ones")
     return needed
-
-
-def attention_kernel_line(config, device):
-    """The startup line saying which local attention kernel runs (what ``auto`` picked)."""
-    from cp_ext.attention.kernels import choose_kernel, dtype_name
-
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    kernel, head_dim = config.attention_kernel, config.kv_channels
-    window = getattr(config, "window_size", None)
-    mla = getattr(config, "multi_latent_attention", False)
-    v_dim = None
-    if mla:  # MLA's own head dims: q/k = qk_head_dim + the RoPE part, v its own
-        head_dim, v_dim = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
-    dims = f"head dim {head_dim}" if v_dim is None else f"q/k head dim {head_dim}, v {v_dim}"
-    what = f"({dtype_name(config.params_dtype)}, {dims}, {device.type})"
-    extras = _mla_exchange_note(config) if mla else ""
-    if window is not None:  # which layers megatron's rule windows, 1-based as megatron counts them
-        layers = [n for n in range(1, config.num_layers + 1)
-                  if is_layer_window_attention(window, config.window_attn_skip_freq, n)]
-        extras += f"; window {window[0]},{window[1]} on layers {layers}"
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        extras += f"; attention sink {config.softmax_type} (added after the LSE merge, any kernel)"
-    if kernel != "auto":
-        return f"attention: kernel {kernel} {what}{extras}"
-    choice = choose_kernel(device.type, config.params_dtype, head_dim, window=window is not None, v_head_dim=v_dim)
-    line = f"attention: --attention-backend auto picks kernel {choice} {what}{extras}"
-    if config.context_parallel_size == 1 and not extras:  # CoreAttention keeps F.sdpa there
-        line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
-    return line
-
-
-def _mla_exchange_note(config):
-    """What MLA's ring / all-gather send per token, per layer as the layers resolve ``--cp-mla-exchange``."""
-    from cp_ext.transformer.mla import latent_possible, takes_latent
-
-    if config.context_parallel_size == 1:
-        return "; multi-latent attention (no CP exchange at CP = 1)"
-    heads = config.num_attention_heads // config.tensor_model_parallel_size
-    kv = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)
-    latent = config.kv_lora_rank + config.qk_pos_emb_head_dim
-    types = config.cp_comm_types or [None] * config.num_layers
-    takes = [takes_latent(config.cp_mla_exchange, latent_possible(config.context_parallel_size, t == "all_gather",
-                                                                  config.ulysses_size,
-                                                                  config.tensor_model_parallel_size), config, heads)
-             for t in types]
-    on = "every layer" if all(takes) else f"layers {[n + 1 for n, t in enumerate(takes) if t]}" if any(takes) else None
-    if on is None:
-        return f"; multi-latent attention: CP exchanges per-head K/V, {kv} values per token (--cp-mla-exchange " \
-               f"{config.cp_mla_exchange})"
-    return (f"; multi-latent attention: CP exchanges the latent on {on}, {latent} values per token instead of "
-            f"{kv} (--cp-mla-exchange {config.cp_mla_exchange})")
 
 
 class Trainer:
@@ -279,13 +228,8 @@ class Trainer:
 
     def _train_loop(self, log, tokens_per_iteration):
         args = self.args
-        print_rank_0(
-            f"training: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
-            f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} "
-            f"({_cp_attention(args)}) x DP {self.dp_size} "
-            f"(EP {args.expert_model_parallel_size}), {self.num_microbatches} microbatches/iteration, "
-            f"device {self.device.type}, {sum(p.numel() for p in self.model[0].parameters())} params on rank 0"
-        )
+        print_rank_0(training_line(args, dist.get_world_size(), self.dp_size, self.num_microbatches, self.device,
+                                   sum(p.numel() for p in self.model[0].parameters())))
         history = []
         if self.iteration >= args.train_iters:
             print_rank_0(f"nothing to train: the loaded checkpoint is at iteration {self.iteration} = --train-iters "
@@ -398,14 +342,3 @@ def _release_step_graphs(model_chunks):
                 for name, value in list(vars(holder).items()):
                     if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                         setattr(holder, name, None)
-
-
-def _cp_attention(args):
-    """How CP attention runs, for the startup line: the groups, all-gather layers, packed documents."""
-    text = f"Ulysses {args.ulysses_size} x ring {args.context_parallel_size // args.ulysses_size}"
-    if args.cp_comm_types and args.context_parallel_size > 1:
-        n = args.cp_comm_types.count("all_gather")
-        text = "all_gather" if n == len(args.cp_comm_types) else f"{text}; all_gather in {n} of {len(args.cp_comm_types)} layers"
-    if args.reset_attention_mask:
-        text += "; attention within documents"
-    return text

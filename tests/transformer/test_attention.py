@@ -60,7 +60,7 @@ def test_configured_kernel_runs_at_cp1(tmp_path):
 
 @pytest.mark.quick
 def test_startup_line_says_what_auto_picked():
-    from cp_ext.training.trainer import attention_kernel_line
+    from cp_ext.training.report import attention_kernel_line
 
     def line(kernel, dtype, cp, device):
         config = SimpleNamespace(attention_kernel=kernel, kv_channels=128, params_dtype=dtype, context_parallel_size=cp)
