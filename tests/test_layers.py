@@ -38,3 +38,36 @@ def test_an_upward_import_breaks_them(tmp_path):
     code, out = _lint_imports(tmp_path)
     assert code != 0, out
     assert "cp_ext.attention.ring -> cp_ext.training.trainer" in out, out
+
+
+TOOL_LINES = 250  # a tool is a front end: argument parsing and printing over the package
+
+
+def test_tools_are_thin_front_ends():
+    """Every tools/*.py stays a front end: at most ~250 lines, no sys.path edits; nothing in cp_ext/ or
+    tests/ imports a tool module or loads a tools/ file by path (tests run the tools as commands)."""
+    too_long = {p.name: n for p in (REPO / "tools").glob("*.py") if (n := len(p.read_text().splitlines())) > TOOL_LINES}
+    assert not too_long, f"tools over {TOOL_LINES} lines (move the logic into cp_ext/): {too_long}"
+    patched = [p.name for p in (REPO / "tools").glob("*.py") if "sys.path.insert" in p.read_text()]
+    assert not patched, f"tools editing sys.path (cp_ext is installed): {patched}"
+    loaders = [str(p.relative_to(REPO)) for root in ("cp_ext", "tests") for p in (REPO / root).rglob("*.py")
+               if p.name != "test_layers.py" and any(s in p.read_text() for s in (
+                   "spec_from_file_location", "from tools", "import tools", 'str(REPO_ROOT / "tools")'))]
+    assert not loaders, f"files loading tools/ as modules: {loaders}"
+
+
+def test_console_scripts_are_the_tools():
+    """pyproject's console scripts name package functions, and `python tools/X.py` runs the same one."""
+    import importlib
+    import re
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"cp-ext-convert-hf", "cp-ext-plan", "cp-ext-compare"}, scripts
+    tools = {"cp-ext-convert-hf": "convert_hf.py", "cp-ext-plan": "plan_parallelism.py",
+             "cp-ext-compare": "compare_loss_curves.py"}
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+        tool = (REPO / "tools" / tools[name]).read_text()
+        assert re.search(rf"^from {re.escape(module)} import {function}\b", tool, re.M), (name, tools[name])
