@@ -29,6 +29,7 @@ def main(argv=None):
     single_process_without_torchrun()
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
     from cp_ext.checkpoint.checkpointer import CheckpointReadError
+    from cp_ext.console import exit_with_config_error
     from cp_ext.training.trainer import Trainer
 
     try:
@@ -40,7 +41,7 @@ def main(argv=None):
     except CheckpointReadError as e:  # every rank reads the same files: one message, from rank 0
         _fail_once(f"cannot load the checkpoint: {e}", 1)
     except ConfigError as e:  # found once the data is open (a split too small for --eval-iters)
-        _fail_once(f"configuration error:\n{e}", 2)
+        exit_with_config_error("pretrain_moe.py", e)
     except Exception as e:
         if not _is_collective_timeout(e):
             raise
