@@ -54,8 +54,9 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.bench import (
-    DTYPES, VARIANTS, attention_call, build_groups, count_variants, no_comm, report, report_paired, time_interleaved,
+    DTYPES, VARIANTS, attention_call, build_groups, count_variants, report, report_paired, time_interleaved,
 )
+from cp_ext.attention.utils import communication_removed
 from cp_ext.attention.kernels import get_kernel
 from cp_ext.layout import context_parallel_positions
 
@@ -159,7 +160,7 @@ def main(argv=None):
 
     def run_cp(name, option=None):
         q, k, v = leaf(q_l), leaf(k_l), leaf(v_l)
-        ctx = no_comm() if name == "compute" else contextlib.nullcontext()
+        ctx = communication_removed() if name == "compute" else contextlib.nullcontext()
         with ctx:
             out = cp_call(name, option)(q, k, v)
             out.backward(do_l)

@@ -3,7 +3,6 @@ communication removed (the compute-only time of the same tiles), interleaved tim
 the bytes and work counted at the call sites next to `cp_ext.perf.comm`'s formulas, and the report.
 """
 
-import contextlib
 import os
 import statistics
 import time
@@ -11,39 +10,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention import ring as ring_mod
 from cp_ext.attention.dispatch import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
 from cp_ext.perf import comm as comm_formula
 from cp_ext.perf.counter import count_comm, count_work
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 VARIANTS = ("ideal", "ring", "compute", "ulysses", "hybrid", "all_gather")
-
-
-class _NoComm:
-    """RingComm without communication: the "received" block is the one we hold (same shape)."""
-
-    def __init__(self, group, shift=1):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def send_recv(self, to_send, recv_buf=None, *, send=True, recv=True):
-        return (to_send if to_send is not None else recv_buf) if recv else None
-
-    def wait(self):
-        pass
-
-
-@contextlib.contextmanager
-def no_comm():
-    """The ring's own code (same step plan, tiles, merges and accumulators) with `RingComm` a no-op."""
-    saved = ring_mod.RingComm
-    ring_mod.RingComm = _NoComm
-    try:
-        yield
-    finally:
-        ring_mod.RingComm = saved
 
 
 def build_groups(world, u):
@@ -65,7 +37,7 @@ def build_groups(world, u):
 
 def attention_call(name, *, causal, scale, group, layout, ulysses_group=None, ring_group=None, **options):
     """Variant ``name`` (of `VARIANTS`, not ``ideal``) as ``f(q, k, v) -> out``; ``compute`` is the ring's
-    call (run it inside `no_comm`). ``options``: document_ids, window_size, softmax_offset (ring, all_gather)."""
+    call (run it inside `cp_ext.attention.utils.communication_removed`). ``options``: document_ids, window_size, softmax_offset (ring, all_gather)."""
     if name in ("ring", "compute"):
         return lambda q, k, v: ring_attention(q, k, v, causal=causal, softmax_scale=scale, group=group,
                                               layout=layout, **options)

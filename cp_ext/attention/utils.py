@@ -5,6 +5,7 @@ All attention tensors in this package use the *kernel layout* ``[b, h, s, d]``; 
 log-sum-exp (LSE) is ``[b, h, s]`` in fp32 (fp64 for fp64 inputs).
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -16,6 +17,22 @@ from cp_ext.perf.counter import COMM_COUNTER
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged / accumulated in: fp32, or fp64 for fp64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_COMPUTE_ONLY = [False]  # set only by `communication_removed`
+
+
+@contextlib.contextmanager
+def communication_removed():
+    """Inside: every `RingComm` exchange is a no-op whose "received" block is the one this rank holds
+    (same shape), so the ring runs its own code (step plan, tiles, merges, accumulators) without
+    communicating: the compute-only time of the same tiles (``tools/bench_attention.py``). Results
+    are wrong by design; only benchmarks enter it."""
+    _COMPUTE_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _COMPUTE_ONLY[0] = False
 
 
 class RingComm:
@@ -51,6 +68,8 @@ class RingComm:
         received block's shape.
         Returns the receive buffer, or None without ``recv``.
         """
+        if _COMPUTE_ONLY[0]:
+            return (to_send if to_send is not None else recv_buf) if recv else None
         to_send = to_send.contiguous() if send else to_send
         buf = (torch.empty_like(to_send) if recv_buf is None else recv_buf) if recv else None
         ops = ([(dist.isend, to_send, self.send_rank)] if send else []) + ([(dist.irecv, buf, self.recv_rank)] if recv else [])
