@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from cp_ext.arguments import parse_args, single_process_without_torchrun
+from cp_ext.arguments import ConfigError, parse_args, single_process_without_torchrun
 from cp_ext.hf.families import adapter_for
 from cp_ext.hf.reader import HFCheckpoint, HFError
 
@@ -89,31 +89,42 @@ def _gather(value):
     return out
 
 
-def _check_mapping(hf, adapter, model):
+MAX_LISTED = 12  # problems named one by one; the rest are counted
+
+
+def _mapping_problems(hf, adapter, model):
     """Map every unit this rank holds on headers alone (names and shapes, no data), then check on all ranks
-    together that every HF tensor was used: all before anything is written."""
+    together that every HF tensor was used: all before anything is written. Every unit is tried, so every
+    missing tensor and wrong shape is named (each once, however many ranks hold the unit)."""
     from cp_ext.models.layout import sharded_tensors
 
-    shapes, problem = hf.shapes_only(), None
-    try:
-        for t in sharded_tensors(model.sharded_state_dict()):
-            p = t.prepend_axis_num
-            for offsets in itertools.product(*map(range, t.global_shape[:p])):  # each layer (expert) of a stack
-                unit, want = ".".join(map(str, (t.key, *offsets))), tuple(t.global_shape[p:])
+    shapes, problems = hf.shapes_only(), []
+    for t in sharded_tensors(model.sharded_state_dict()):
+        p = t.prepend_axis_num
+        for offsets in itertools.product(*map(range, t.global_shape[:p])):  # each layer (expert) of a stack
+            unit, want = ".".join(map(str, (t.key, *offsets))), tuple(t.global_shape[p:])
+            try:
                 got = tuple(adapter.unit(shapes, unit).shape)
-                if got != want:
-                    raise HFError(f"megatron's {unit} is {want}, the Hugging Face tensors give {got}")
-    except HFError as e:
-        problem = str(e)
-    results = _gather((problem, sorted(adapter.used)))
-    problems = [p for p, _ in results if p]
-    if problems:
-        raise HFError(problems[0])
+            except HFError as e:
+                problems.append(str(e))
+                continue
+            if got != want:
+                problems.append(f"megatron's {unit} is {want}, the Hugging Face tensors give {got}")
+    results = _gather((problems, sorted(adapter.used)))
+    problems = list(dict.fromkeys(p for rank_problems, _ in results for p in rank_problems))
     used = set().union(*(set(u) for _, u in results))
     left = sorted(hf.names() - used - adapter.unused_by_design(hf.names()))
     if left:
-        raise HFError(f"--hf-dir {hf.dir}: {len(left)} tensor(s) left over after the mapping, e.g. {left[:3]}")
+        problems.append(f"--hf-dir {hf.dir}: {len(left)} tensor(s) left over after the mapping, e.g. {left[:3]}")
     adapter.used = set()
+    return problems
+
+
+def _one_error(problems):
+    """Every problem of a checkpoint in one HFError, a line each (the command line prefixes "  - ")."""
+    listed = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"]
+                                      if len(problems) > MAX_LISTED else [])
+    return HFError("\n  - ".join(listed))
 
 
 def import_checkpoint(hf_dir, save, grid_flags=()):
@@ -123,12 +134,18 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
     architecture (config.json's ``architectures[0]``)."""
     hf = HFCheckpoint(hf_dir)
     adapter = adapter_for(hf.config, f"{hf.dir / 'config.json'}")
+    # Every problem at once, as the flag parser reports them: --save, config.json's settings that cannot
+    # be expressed, then (when the sizes still give a model) every tensor missing, misshapen or left over.
     problems = adapter.problems()
-    if problems:
-        raise HFError("; ".join(problems))
-    flags = [str(x) for x in adapter.flags()]
-    save = _fresh(save, "--save")
-    args = _start(flags + list(grid_flags))
+    try:
+        save = _fresh(save, "--save")
+    except HFError as e:
+        problems.insert(0, str(e))
+    try:
+        flags = [str(x) for x in adapter.flags()]
+        args = _start(flags + list(grid_flags))
+    except (HFError, ConfigError) as e:  # no model to map the tensors onto: what stops it is the problem
+        raise _one_error(problems + [str(e).strip().removeprefix("- ")]) from None
 
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
@@ -141,7 +158,9 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
 
     architecture = hf.config["architectures"][0]
     model = meta_model(args)
-    _check_mapping(hf, adapter, model)
+    problems += _mapping_problems(hf, adapter, model)
+    if problems:
+        raise _one_error(problems)
     rank0 = dist.get_rank() == 0
     tmp = _staging(save) if rank0 else save.with_name(save.name + ".partial")
     if rank0:

@@ -277,8 +277,12 @@ def _truncate(hf):
     ("deepseek_v3", _config("num_experts_per_tok", 3), ["num_experts_per_tok 3 / topk_group 1 != 2", "top-2"]),
     ("gpt_oss", _config("layer_types", ["sliding_attention", "chunked_attention"] * 2),
      ["layer_types", "cannot be expressed", "unknown: ['chunked_attention']"]),
+    # every problem at once: a setting that cannot be expressed does not hide a wrong shape behind it
+    ("mixtral", lambda hf: (_config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})(hf),
+                            _config("intermediate_size", 24)(hf)),
+     ["rope type 'yarn' cannot be expressed", "has shape (16, 32), config.json implies (24, 32)"]),
 ], ids=["architecture", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
-        "rope-type", "mla-yarn", "group-ranking", "gpt-oss-layer-types"])
+        "rope-type", "mla-yarn", "group-ranking", "gpt-oss-layer-types", "every-problem"])
 def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     proc = _edited(converted, tmp_path, family, edit)
     assert proc.returncode == 2, proc.stderr[-3000:]
