@@ -221,10 +221,7 @@ class Checkpointer:
                                       f"{type(e).__name__}: {first}") from None
         for name in names:
             self.components[name].load_state_dict(state, ctx)
-        if self.trainer is None and not args.finetune:
-            print_rank_0(f"loaded the weights of iteration {iteration} from {directory}")
-            return 0
-        if args.finetune:
+        if args.finetune or self.trainer is None:
             print_rank_0(f"--finetune: loaded the weights of iteration {iteration} from {directory}; starting at iteration 0")
             return 0
         if args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam state, the new schedule from here on

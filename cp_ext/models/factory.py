@@ -34,13 +34,6 @@ class ModelStack:
     chunks: List[torch.nn.Module]
     padded_vocab_size: int
 
-    @property
-    def module(self) -> torch.nn.Module:
-        """The GPTModel of the first chunk, out of its Float16Module wrapper (what generation and the
-        checkpoint map read)."""
-        chunk = self.chunks[0]
-        return chunk.module if isinstance(chunk, Float16Module) else chunk
-
 
 def padded_vocab(args, vocab_size: int, tp_size: int) -> int:
     """The embedding's rows for a ``vocab_size``-token vocabulary: ``--padded-vocab-size`` as given

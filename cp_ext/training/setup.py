@@ -26,8 +26,9 @@ from cp_ext.platform import setup_platform
 
 def model_from_flags(args):
     """This rank's model for the flags in ``args``, with ``--load``'s weights: (ModelStack, device). The
-    ranks start as the trainer's do (`cp_ext.grid.initialize_distributed`). The vocabulary is the data's, as in training (`data_vocab_size`), so the embedding is the one the
-    checkpoint holds; a model that is not the checkpoint's is a ConfigError naming the flags."""
+    ranks start as the trainer's do (`cp_ext.grid.initialize_distributed`). The vocabulary is the data's,
+    as in training (`data_vocab_size`), so the embedding is the one the checkpoint holds; a model that
+    is not the checkpoint's is a ConfigError naming the flags."""
     device = setup_platform(None if args.device == "auto" else args.device)
     grid = initialize_distributed(args, device)
     print_rank_0(versions_line(__version__))
@@ -37,9 +38,11 @@ def model_from_flags(args):
     return stack, device
 
 
-def leave_distributed() -> None:
-    """Leave the grid and torch.distributed, so torchrun sees every rank exit 0."""
-    dist.barrier()
+def leave_distributed(barrier: bool = True) -> None:
+    """Leave the grid and torch.distributed, so torchrun sees every rank exit 0 (``barrier``: first wait
+    for every rank; the trainer's shutdown has waited already)."""
+    if barrier:
+        dist.barrier()
     cp_state.destroy_context_parallel()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

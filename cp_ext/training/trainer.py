@@ -32,7 +32,8 @@ from cp_ext.checkpoint.layout import meta_to_load
 from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
 from cp_ext.config import transformer_config_from_args
 from cp_ext.console import print_rank_0
-from cp_ext.data.datasets import build_eval_dataset, build_train_dataset
+from cp_ext.data.datasets import build_eval_dataset, build_train_dataset, data_vocab_size
+from cp_ext.grid import initialize_distributed
 from cp_ext.megatron_version import versions_line
 from cp_ext.megatron_compat import reduced_moe_losses, zero_moe_loss_tracker
 from cp_ext.models.factory import build_model_stack, padded_vocab
@@ -45,7 +46,7 @@ from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.report import attention_kernel_line, training_line
 from cp_ext.training.signals import ExitSignalHandler
-from cp_ext.grid import initialize_distributed
+from cp_ext.training.setup import leave_distributed
 from cp_ext.training.steps import forward_step
 
 
@@ -90,7 +91,7 @@ class Trainer:
                 if split == "valid":
                     raise ConfigError(f"  - --eval-interval: {e}") from None
                 print_rank_0(f"note: no evaluation on the {split} split: {e}")
-        vocab = padded_vocab(args, args.vocab_size or self.dataset.vocab_size, self.grid.tp)  # refused early
+        vocab = padded_vocab(args, data_vocab_size(args), self.grid.tp)  # refused before the model is built
         self.config = transformer_config_from_args(args)
         print_rank_0(attention_kernel_line(self.config, self.device))
         note = implementation_note(args, on_cpu=self.device.type == "cpu")
@@ -299,9 +300,7 @@ class Trainer:
             release_save_lock(self.args.save)
         self._release_model()
         if not keep_process_group:
-            cp_state.destroy_context_parallel()
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+            leave_distributed(barrier=False)
 
     def _release_model(self):
         """Break the cycles through C++ that would keep this model, and the process groups it holds,
