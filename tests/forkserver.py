@@ -201,6 +201,13 @@ def serve():
         importlib.import_module(name)
     if threading.active_count() != 1:
         raise SystemExit(f"forkserver: the preloads started {threading.active_count() - 1} thread(s); forking is unsafe")
+    # The imported modules live as long as every rank: out of the collector's sight, a full collection
+    # (destroy_grid runs one per grid) walks only what a run made. Measured on 2 cores: a 4-rank grid's
+    # gc.collect went from 0.50 s to 0.16 s, and one small layout of the grid equivalence from 1.95 s to 0.82 s.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
     leaders, pending = set(), b""
     while True:

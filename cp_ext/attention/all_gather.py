@@ -90,8 +90,8 @@ class AllGatherPlan:
 
 
 # torch 2.13 renames the tensor collectives (*_into_tensor / *_tensor are deprecated there).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _gather_kv(k: torch.Tensor, v: Optional[torch.Tensor], group) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _gather_kv(k: torch.Tensor, v: Optional[torch.Tensor], group) -> torch.Tenso
         mine[..., k.shape[3]:].copy_(v.permute(2, 0, 1, 3))
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("all_gather_kv", mine.nbytes * (size - 1))
-    _all_gather_single(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     return gathered
 
 
@@ -159,5 +159,5 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, c
     mine = torch.empty((dkv.shape[0] // dist.get_world_size(group),) + dkv.shape[1:], dtype=acc, device=q.device)
     if COMM_COUNTER.enabled:
         COMM_COUNTER.add("reduce_scatter_dkv", mine.nbytes * (dist.get_world_size(group) - 1))
-    _reduce_scatter_single(mine, dkv, group=group)
+    reduce_scatter_single(mine, dkv, group=group)
     return (dq.to(q.dtype),) + message.grads(_kernel_view(mine), k, v)
