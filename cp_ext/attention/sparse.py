@@ -35,40 +35,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.all_gather import reduce_scatter_single
-from cp_ext.attention.documents import gather_parts
-from cp_ext.attention.ring import ring_positions
-from cp_ext.attention.utils import RingComm, accum_dtype, update_out_and_lse
-from cp_ext.layout import LAYOUTS
-from cp_ext.perf.counter import WORK_COUNTER
+from cp_ext.attention.key_blocks import KeyPlan, key_blocks, key_blocks_with_grads, scatter_add
+from cp_ext.attention.utils import accum_dtype, update_out_and_lse
 
-MODES = ("ring", "all_gather")
 DEFAULT_QUERY_TILE = 256  # one tile's gathered keys: [b, 256, m, d_qk]; 1.2 GiB fp32 at k = m = 2048, d_qk = 576
-
-
-class KeyBlock:
-    """One block of keys (a ring step's, or the gathered sequence) with the global positions of its rows."""
-
-    def __init__(self, kv: torch.Tensor, positions: torch.Tensor, seq_len: int):
-        self.kv = kv  # [b, n, d_qk]
-        self.lookup = torch.full((seq_len,), -1, dtype=torch.int64, device=kv.device)
-        self.lookup[positions] = torch.arange(positions.numel(), device=kv.device)
-
-    def columns(self, selected: torch.Tensor) -> Optional[torch.Tensor]:
-        """The block rows of ``selected`` [b, T, k] (global positions, -1 padding) that are in this block,
-        compacted to the tile's largest count: [b, T, m], -1 padding; None when no query selects any."""
-        cols = torch.where(selected >= 0, self.lookup[selected.clamp(min=0)], -1)
-        m = int((cols >= 0).sum(-1).max())
-        if m == 0:
-            return None
-        if WORK_COUNTER.enabled:  # opt-in (tools/bench_attention.py): query-key pairs computed
-            WORK_COUNTER.add("pairs", int((cols >= 0).sum()))
-        return cols.sort(dim=-1, descending=True).values[..., :m]
-
-    def gather(self, cols: torch.Tensor) -> torch.Tensor:
-        """[b, T, m, d_qk]: the rows ``cols`` (clamped; the caller masks the padding)."""
-        batch = torch.arange(cols.shape[0], device=cols.device).view(-1, 1, 1)
-        return self.kv[batch, cols.clamp(min=0)]
 
 
 def _tile_forward(q, keys, cols, scale, d_v):
@@ -96,72 +66,19 @@ def _tile_backward(dout, q, out, lse, keys, cols, scale, d_v):
     return dq, dkeys
 
 
-def _scatter_add(dkv, cols, dkeys):
-    """Add the gathered keys' gradient ``dkeys`` [b, T, m, d] into ``dkv`` [b, n, d] at rows ``cols``
-    (the padding's entries are zero: their probabilities are)."""
-    b, n, d = dkv.shape
-    rows = cols.clamp(min=0) + torch.arange(b, device=cols.device).view(-1, 1, 1) * n
-    dkv.view(b * n, d).index_add_(0, rows.reshape(-1), dkeys.reshape(-1, d))
-
-
 class _Args:
-    """What forward and backward share: the selection in tiles, the scale, the group."""
+    """What forward and backward share: where this rank's queries and keys are, the selection, the scale."""
 
     def __init__(self, q, kv, selected, softmax_scale, v_head_dim, group, layout, mode, positions, query_tile):
-        if mode not in MODES:
-            raise ValueError(f"unknown sparse attention mode {mode!r}; choose one of {MODES}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
         s, b = q.shape[:2]
         if q.dim() != 4 or kv.shape != (s, b, q.shape[3]) or selected.dim() != 3 or selected.shape[:2] != (b, s):
             raise ValueError(f"expected q [s, b, h, d], kv [s, b, d] and selected [b, s, k]; got q {tuple(q.shape)}, "
                              f"kv {tuple(kv.shape)}, selected {tuple(selected.shape)}")
-        if not 0 < v_head_dim <= q.shape[3] or query_tile < 1:
-            raise ValueError(f"v_head_dim ({v_head_dim}) must be in 1..{q.shape[3]} and query_tile ({query_tile}) >= 1")
-        self.size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.group, self.mode, self.layout = group, mode, layout
-        self.scale, self.d_v, self.seq_len = softmax_scale, v_head_dim, s * self.size
-        if positions is None:
-            if mode == "all_gather" and self.size > 1 and layout not in ("zigzag", "contiguous"):
-                raise ValueError("all-gather sparse attention needs the positions of this rank's tokens")
-            positions = torch.tensor(ring_positions(s, self.rank, self.size, layout), dtype=torch.int64)
-        elif mode == "ring" and self.size > 1 and positions.tolist() != list(ring_positions(s, self.rank, self.size, layout)):
-            raise ValueError(f"positions are not ring rank {self.rank}'s {layout} positions; use mode='all_gather'")
-        self.positions = positions.to(device=q.device, dtype=torch.int64)
-        self.tiles = [slice(i, min(i + query_tile, s)) for i in range(0, s, query_tile)]
-        self.selected = selected.to(torch.int64)
-
-    def block_positions(self, src):
-        if src == self.rank:
-            return self.positions
-        return torch.tensor(ring_positions(self.positions.numel(), src, self.size, self.layout),
-                            dtype=torch.int64, device=self.positions.device)
-
-
-def _forward_block(args, q, block, out, lse):
-    for rows in args.tiles:
-        cols = block.columns(args.selected[:, rows])
-        if cols is not None:
-            o, l = _tile_forward(q[:, :, rows], block.gather(cols), cols, args.scale, args.d_v)
-            update_out_and_lse(out, lse, o, l, rows)
-
-
-def _backward_block(args, dout, q, out, lse, block, dq, dkv):
-    for rows in args.tiles:
-        cols = block.columns(args.selected[:, rows])
-        if cols is not None:
-            dq_t, dkeys = _tile_backward(dout[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                         block.gather(cols), cols, args.scale, args.d_v)
-            dq[:, :, rows] += dq_t
-            _scatter_add(dkv, cols, dkeys)
-
-
-def _all_gathered(args, kv):
-    """The whole sequence's keys [b, C*s, d] (rank order) and their positions, from one all-gather each."""
-    parts = gather_parts(kv, args.group)  # [s, b, d] per rank
-    positions = torch.cat(gather_parts(args.positions, args.group))
-    return KeyBlock(torch.cat(parts).transpose(0, 1), positions, args.seq_len)
+        if not 0 < v_head_dim <= q.shape[3]:
+            raise ValueError(f"v_head_dim ({v_head_dim}) must be in 1..{q.shape[3]}")
+        self.plan = KeyPlan(s, q.device, group=group, layout=layout, mode=mode, positions=positions,
+                            query_tile=query_tile)
+        self.scale, self.d_v, self.selected = softmax_scale, v_head_dim, selected.to(torch.int64)
 
 
 def sparse_forward(args: _Args, q, kv):
@@ -169,56 +86,28 @@ def sparse_forward(args: _Args, q, kv):
     acc = accum_dtype(q.dtype)
     out = torch.zeros(q.shape[:3] + (args.d_v,), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    if args.size == 1 or args.mode == "all_gather":
-        block = KeyBlock(kv.transpose(0, 1), args.positions, args.seq_len) if args.size == 1 else _all_gathered(args, kv)
-        _forward_block(args, q, block, out, lse)
-        return out.to(q.dtype), lse
-    comm, msg = RingComm(args.group), kv.contiguous()
-    for step in range(args.size):  # the next block is in flight while this one is computed
-        last = step == args.size - 1
-        if not last:
-            next_msg = comm.send_recv(msg)
-        src = (args.rank - step) % args.size
-        _forward_block(args, q, KeyBlock(msg.transpose(0, 1), args.block_positions(src), args.seq_len), out, lse)
-        if not last:
-            comm.wait()
-            msg = next_msg
+    for block in key_blocks(args.plan, kv):
+        for rows in args.plan.tiles:
+            cols = block.selected_columns(args.selected[:, rows])
+            if cols is not None:
+                o, l = _tile_forward(q[:, :, rows], block.gather(cols), cols, args.scale, args.d_v)
+                update_out_and_lse(out, lse, o, l, rows)
     return out.to(q.dtype), lse
 
 
 def sparse_backward(args: _Args, dout, q, kv, out, lse):
     """(dq [b, h, s, d], dkv [s, b, d]) of `sparse_forward`."""
     acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    b, s = q.shape[0], q.shape[2]
-    if args.size == 1 or args.mode == "all_gather":
-        block = KeyBlock(kv.transpose(0, 1), args.positions, args.seq_len) if args.size == 1 else _all_gathered(args, kv)
-        dkv = torch.zeros(block.kv.shape, dtype=acc, device=q.device)  # [b, C*s, d], rank order
-        _backward_block(args, dout, q, out, lse, block, dq, dkv)
-        dkv = dkv.transpose(0, 1)
-        if args.size > 1:  # rank i's rows, summed over the ranks, land on rank i
-            mine = torch.empty((s, b, kv.shape[-1]), dtype=acc, device=q.device)
-            reduce_scatter_single(mine, dkv.contiguous(), group=args.group)
-            dkv = mine
-        return dq.to(q.dtype), dkv.to(kv.dtype)
-    # Ring: the block and its gradient accumulator travel together; after the last step the
-    # accumulator held here belongs to the next rank (block rank + 1), so one more hop takes it home.
-    kv_comm, dkv_comm = RingComm(args.group), RingComm(args.group)
-    msg, dkv = kv.contiguous(), torch.zeros((b, s, kv.shape[-1]), dtype=acc, device=q.device)
-    for step in range(args.size):
-        last = step == args.size - 1
-        if not last:
-            next_msg = kv_comm.send_recv(msg)
-        src = (args.rank - step) % args.size
-        block = KeyBlock(msg.transpose(0, 1), args.block_positions(src), args.seq_len)
-        _backward_block(args, dout, q, out, lse, block, dq, dkv)
-        next_dkv = dkv_comm.send_recv(dkv)
-        if not last:
-            kv_comm.wait()
-            msg = next_msg
-        dkv_comm.wait()
-        dkv = next_dkv
-    return dq.to(q.dtype), dkv.transpose(0, 1).to(kv.dtype)
+    dq, dkv = torch.zeros(q.shape, dtype=acc, device=q.device), []
+    for block, dblock in key_blocks_with_grads(args.plan, kv, acc, dkv):
+        for rows in args.plan.tiles:
+            cols = block.selected_columns(args.selected[:, rows])
+            if cols is not None:
+                dq_t, dkeys = _tile_backward(dout[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                             block.gather(cols), cols, args.scale, args.d_v)
+                dq[:, :, rows] += dq_t
+                scatter_add(dblock, cols, dkeys)
+    return dq.to(q.dtype), dkv[0].to(kv.dtype)
 
 
 class SparseAttnFunc(torch.autograd.Function):

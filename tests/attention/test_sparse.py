@@ -219,13 +219,15 @@ def test_broken_backward_or_merge_fails_the_check(monkeypatch):
         dkeys[..., :RANK] = 0
         return dq, dkeys
 
-    original_columns = sparse.KeyBlock.columns
+    from cp_ext.attention.key_blocks import KeyBlock
+
+    original_columns = KeyBlock.selected_columns
 
     def one_key_dropped(self, chosen):
         cols = original_columns(self, chosen)
         return cols if cols is None or cols.shape[-1] == 1 else cols[..., 1:]
 
-    for target, name, broken in [(sparse, "_tile_backward", no_value_grad), (sparse.KeyBlock, "columns", one_key_dropped)]:
+    for target, name, broken in [(sparse, "_tile_backward", no_value_grad), (KeyBlock, "selected_columns", one_key_dropped)]:
         with monkeypatch.context() as m:
             m.setattr(target, name, broken)
             with pytest.raises(AssertionError):

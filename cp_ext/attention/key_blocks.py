@@ -1,0 +1,156 @@
+"""How DSA's passes see the whole sequence's keys from one CP rank: blocks with global positions, on the
+ring or all-gathered, and the per-query key sets inside them.
+
+DSA's sparse attention (`cp_ext.attention.sparse`) and its indexer loss (`cp_ext.attention.dsa_loss`) both
+walk every key of the sequence for this rank's queries, one block at a time, and both need each key's
+global position: the selection names keys by position, and causality compares positions. A `KeyPlan`
+holds what they share (group, layout, this rank's positions, the query tiles); `key_blocks` yields the
+blocks (``ring``: CP steps, the next block in flight while this one is used; ``all_gather``: the gathered
+sequence as one block), and `key_blocks_with_grads` does the same with a gradient accumulator per block
+that ends on the block's owner (the ring: it rides with the block and takes one last hop home;
+all-gather: one reduce-scatter).
+
+Within a block, a tile of queries meets a *key set* (`KeyBlock.selected_columns`: its selected keys;
+`KeyBlock.causal_columns`: every key at or before it), given as block rows per query, compacted to the
+tile's largest count, -1 padding, and gathered (`KeyBlock.gather`): ``[b, T, m, width]``.
+"""
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from cp_ext.attention.all_gather import reduce_scatter_single
+from cp_ext.attention.documents import gather_parts
+from cp_ext.attention.ring import ring_positions
+from cp_ext.attention.utils import RingComm
+from cp_ext.layout import LAYOUTS
+from cp_ext.perf.counter import WORK_COUNTER
+
+MODES = ("ring", "all_gather")
+
+
+class KeyBlock:
+    """One block of messages ``msg`` [b, n, width] (a ring step's, or the gathered sequence) with the
+    global positions of its rows."""
+
+    def __init__(self, msg: torch.Tensor, positions: torch.Tensor, seq_len: int):
+        self.msg, self.positions = msg, positions
+        self.lookup = torch.full((seq_len,), -1, dtype=torch.int64, device=msg.device)
+        self.lookup[positions] = torch.arange(positions.numel(), device=msg.device)
+
+    def selected_columns(self, selected: torch.Tensor) -> Optional[torch.Tensor]:
+        """The block rows of ``selected`` [b, T, k] (global positions, -1 padding) that are in this block:
+        [b, T, m], -1 padding; None when no query selects any."""
+        return _compact(torch.where(selected >= 0, self.lookup[selected.clamp(min=0)], -1))
+
+    def causal_columns(self, q_positions: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+        """The block rows at or before each query at ``q_positions`` [T]: [b, T, m], -1 padding; or None."""
+        rows = torch.arange(self.positions.numel(), device=self.msg.device)
+        cols = torch.where(self.positions.view(1, -1) <= q_positions.view(-1, 1), rows, -1)
+        return _compact(cols.unsqueeze(0).expand(batch, -1, -1))
+
+    def gather(self, cols: torch.Tensor) -> torch.Tensor:
+        """[b, T, m, width]: the rows ``cols`` (clamped; the caller masks the padding)."""
+        batch = torch.arange(cols.shape[0], device=cols.device).view(-1, 1, 1)
+        return self.msg[batch, cols.clamp(min=0)]
+
+
+def _compact(cols: torch.Tensor) -> Optional[torch.Tensor]:
+    m = int((cols >= 0).sum(-1).max()) if cols.numel() else 0
+    if m == 0:
+        return None
+    if WORK_COUNTER.enabled:  # opt-in (tools/bench_attention.py): query-key pairs computed
+        WORK_COUNTER.add("pairs", int((cols >= 0).sum()))
+    return cols.sort(dim=-1, descending=True).values[..., :m]
+
+
+def scatter_add(dmsg: torch.Tensor, cols: torch.Tensor, dkeys: torch.Tensor) -> None:
+    """Add the gathered rows' gradient ``dkeys`` [b, T, m, w] into ``dmsg`` [b, n, w] at rows ``cols``
+    (the caller zeroes the padding's entries)."""
+    b, n, w = dmsg.shape
+    rows = cols.clamp(min=0) + torch.arange(b, device=cols.device).view(-1, 1, 1) * n
+    dmsg.view(b * n, w).index_add_(0, rows.reshape(-1), dkeys.reshape(-1, w))
+
+
+class KeyPlan:
+    """This rank's place in the sequence: ``s`` local tokens of ``group`` (None: the whole sequence)
+    at ``positions`` (default: the ring rank's ``layout`` positions), walked in ``mode``, with query
+    tiles of ``query_tile`` rows."""
+
+    def __init__(self, s: int, device, *, group, layout: str, mode: str, positions: Optional[torch.Tensor],
+                 query_tile: int):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        if query_tile < 1:
+            raise ValueError(f"query_tile ({query_tile}) must be >= 1")
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.group, self.mode, self.layout, self.seq_len = group, mode, layout, s * self.size
+        own = list(ring_positions(s, self.rank, self.size, layout))
+        if positions is None:
+            positions = torch.tensor(own, dtype=torch.int64)
+        elif mode == "ring" and self.size > 1 and positions.tolist() != own:
+            raise ValueError(f"positions are not ring rank {self.rank}'s {layout} positions; use mode='all_gather'")
+        self.positions = positions.to(device=device, dtype=torch.int64)
+        self.tiles = [slice(i, min(i + query_tile, s)) for i in range(0, s, query_tile)]
+
+    def block_positions(self, src: int) -> torch.Tensor:
+        if src == self.rank:
+            return self.positions
+        return torch.tensor(ring_positions(self.positions.numel(), src, self.size, self.layout),
+                            dtype=torch.int64, device=self.positions.device)
+
+
+def key_blocks(plan: KeyPlan, msg: torch.Tensor) -> Iterator[KeyBlock]:
+    """Every key of the sequence, block by block, for this rank; ``msg`` [s, b, width] is this rank's."""
+    if plan.size == 1:
+        yield KeyBlock(msg.transpose(0, 1), plan.positions, plan.seq_len)
+    elif plan.mode == "all_gather":
+        yield _gathered(plan, msg)
+    else:
+        comm, msg = RingComm(plan.group), msg.contiguous()
+        for step in range(plan.size):
+            last = step == plan.size - 1
+            if not last:
+                next_msg = comm.send_recv(msg)
+            yield KeyBlock(msg.transpose(0, 1), plan.block_positions((plan.rank - step) % plan.size), plan.seq_len)
+            if not last:
+                comm.wait()
+                msg = next_msg
+
+
+def key_blocks_with_grads(plan: KeyPlan, msg: torch.Tensor, dtype: torch.dtype,
+                          result: List[torch.Tensor]) -> Iterator[Tuple[KeyBlock, torch.Tensor]]:
+    """`key_blocks` with each block's gradient accumulator [b, n, width] (zeros, in ``dtype``) to add
+    into; when the walk ends, ``result`` holds this rank's own messages' gradient [s, b, width], summed
+    over every rank that used them."""
+    s, b, w = msg.shape
+    if plan.size == 1 or plan.mode == "all_gather":
+        block = next(key_blocks(plan, msg))
+        dmsg = torch.zeros(block.msg.shape, dtype=dtype, device=msg.device)  # [b, C*s, w], rank order
+        yield block, dmsg
+        dmsg = dmsg.transpose(0, 1)
+        if plan.size > 1:  # rank i's rows, summed over the ranks, land on rank i
+            mine = torch.empty((s, b, w), dtype=dtype, device=msg.device)
+            reduce_scatter_single(mine, dmsg.contiguous(), group=plan.group)
+            dmsg = mine
+        result.append(dmsg)
+        return
+    # The ring: the accumulator travels with its block; after the last step the one held here is
+    # the next rank's (block rank + 1), so one more hop takes every accumulator home.
+    comm = RingComm(plan.group)
+    dmsg = torch.zeros((b, s, w), dtype=dtype, device=msg.device)
+    for block in key_blocks(plan, msg):
+        yield block, dmsg
+        dmsg = comm.send_recv(dmsg)
+        comm.wait()
+    result.append(dmsg.transpose(0, 1))
+
+
+def _gathered(plan: KeyPlan, msg: torch.Tensor) -> KeyBlock:
+    """The whole sequence's messages [b, C*s, width] (rank order) and positions, one all-gather each."""
+    positions = torch.cat(gather_parts(plan.positions, plan.group))
+    return KeyBlock(torch.cat(gather_parts(msg, plan.group)).transpose(0, 1), positions, plan.seq_len)
