@@ -122,15 +122,18 @@ def key_blocks(plan: KeyPlan, msg: torch.Tensor) -> Iterator[KeyBlock]:
                 msg = next_msg
 
 
-def key_blocks_with_grads(plan: KeyPlan, msg: torch.Tensor, dtype: torch.dtype,
-                          result: List[torch.Tensor]) -> Iterator[Tuple[KeyBlock, torch.Tensor]]:
-    """`key_blocks` with each block's gradient accumulator [b, n, width] (zeros, in ``dtype``) to add
-    into; when the walk ends, ``result`` holds this rank's own messages' gradient [s, b, width], summed
-    over every rank that used them."""
-    s, b, w = msg.shape
+def key_blocks_with_grads(plan: KeyPlan, msg: torch.Tensor, dtype: torch.dtype, result: List[torch.Tensor],
+                          grad_width: Optional[int] = None) -> Iterator[Tuple[KeyBlock, torch.Tensor]]:
+    """`key_blocks` with each block's gradient accumulator [b, n, grad_width] (zeros, in ``dtype``) to
+    add into, for the last ``grad_width`` values of each message (default: all of them; a walk that
+    differentiates only part of the message sends only that part's accumulator); when the walk ends,
+    ``result`` holds this rank's own messages' gradient [s, b, grad_width], summed over every rank that
+    used them."""
+    s, b = msg.shape[:2]
+    w = msg.shape[2] if grad_width is None else grad_width
     if plan.size == 1 or plan.mode == "all_gather":
         block = next(key_blocks(plan, msg))
-        dmsg = torch.zeros(block.msg.shape, dtype=dtype, device=msg.device)  # [b, C*s, w], rank order
+        dmsg = torch.zeros(block.msg.shape[:2] + (w,), dtype=dtype, device=msg.device)  # [b, C*s, w], rank order
         yield block, dmsg
         dmsg = dmsg.transpose(0, 1)
         if plan.size > 1:  # rank i's rows, summed over the ranks, land on rank i
