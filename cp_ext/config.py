@@ -43,6 +43,11 @@ class ContextParallelTransformerConfig(TransformerConfig):
     """``--cp-mla-exchange``: what multi-latent attention's ring and all-gather send, "kv" or the
     "latent" (`cp_ext.transformer.mla`); "auto" takes the latent wherever it can travel."""
 
+    dsa: bool = False
+    """``--experimental-attention-variant dsa``: MLA's core attention is DeepSeek-V3.2's sparse attention
+    (`cp_ext.transformer.dsa`). megatron's own ``experimental_attention_variant`` stays None: 0.16.1's
+    config refuses it with CP > 1, and 0.19's spec builders swap in modules of their own when it is set."""
+
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
     call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped
@@ -98,7 +103,8 @@ def aux_loss_layout_factor(args):
 # recompute flag (folded into recompute_modules), and the softmax precision of megatron's attention.
 _NOT_COPIED = {"attention_backend", "cp_comm_type", "hierarchical_context_parallel_sizes", "moe_grouped_gemm",
                "moe_layer_recompute", "transformer_impl", "attention_softmax_in_fp32", "rope_type", "window_size",
-               "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_ffn_hidden_size", "cp_aware_recompute"}
+               "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_ffn_hidden_size", "cp_aware_recompute",
+               "experimental_attention_variant"}
 
 
 def _one_to_one_fields(config_class, args):
@@ -121,6 +127,7 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         **_activation(args),
         **(dict(rope_type=args.rope_type or "yarn") if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
+        dsa=args.experimental_attention_variant == "dsa",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
         window_size=None if args.window_size is None else tuple(args.window_size),
         layernorm_epsilon=args.norm_epsilon,

@@ -30,6 +30,7 @@ And one of cp_ext's own (Megatron-LM has no such flag):
 import argparse
 import os
 
+from cp_ext.arguments.dsa import add_dsa_args, dsa_problems
 from cp_ext.arguments.parallel import runs_on_cpu
 from cp_ext.flag_types import layer_freq_type
 
@@ -184,6 +185,7 @@ def add_attention_group(parser):
                         "--multi-latent-attention MLA's q-LoRA and K/V latents (DeepSeek-V2/V3), as Megatron-LM")
     add_attention_args(g)
     add_mla_args(g)
+    add_dsa_args(g)
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "
@@ -255,4 +257,4 @@ def fill_attention_defaults(args):
 
 
 def attention_problems(args):
-    return _attention_problems(args) + attention_flag_problems(args)
+    return _attention_problems(args) + attention_flag_problems(args) + dsa_problems(args)

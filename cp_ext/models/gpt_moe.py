@@ -10,7 +10,9 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
                             cp_ext ContextParallelMLASelfAttention (megatron's MLA: its RoPE at
                             this rank's positions, the latent exchange)
         q/k(v)_layernorm -> cp_ext SequenceParallelNorm        (--qk-layernorm; megatron's refuses SP)
-        core_attention   -> cp_ext CoreAttention               (every CP type, windows, sinks)
+        core_attention   -> cp_ext CoreAttention               (every CP type, windows, sinks), or with
+                            --experimental-attention-variant dsa cp_ext DSACoreAttention (megatron's
+                            DSA seat: indexer + sparse attention, `cp_ext.transformer.dsa`)
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear   (biased experts: GPT-OSS)
@@ -51,6 +53,7 @@ from cp_ext.models.layout import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.experts import ExpertRowParallelLinear
 from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
@@ -75,7 +78,7 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
     if mla:
         submodules.self_attention.module = ContextParallelMLASelfAttention
-    attention.core_attention = CoreAttention
+    attention.core_attention = dsa_core_attention_spec() if getattr(config, "dsa", False) else CoreAttention
     _, mlp = spec_parts(submodules.mlp)
     experts_class, experts = spec_parts(getattr(mlp, "experts", None))  # MoE layers only
     if experts_class is SequentialMLP:

@@ -26,7 +26,7 @@ def attention_kernel_line(config, device):
         head_dim, v_dim = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     dims = f"head dim {head_dim}" if v_dim is None else f"q/k head dim {head_dim}, v {v_dim}"
     what = f"({dtype_name(config.params_dtype)}, {dims}, {device.type})"
-    extras = _mla_exchange_note(config) if mla else ""
+    extras = (_dsa_note(config) if getattr(config, "dsa", False) else _mla_exchange_note(config)) if mla else ""
     if window is not None:  # which layers megatron's rule windows, 1-based as megatron counts them
         layers = [n for n in range(1, config.num_layers + 1)
                   if is_layer_window_attention(window, config.window_attn_skip_freq, n)]
@@ -40,6 +40,18 @@ def attention_kernel_line(config, device):
     if config.context_parallel_size == 1 and not extras:  # CoreAttention keeps F.sdpa there
         line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
     return line
+
+
+def _dsa_note(config):
+    """DeepSeek sparse attention: its sizes, what CP exchanges, and whether the indexer trains."""
+    latent = config.kv_lora_rank + config.qk_pos_emb_head_dim + config.dsa_indexer_head_dim
+    cp = ("" if config.context_parallel_size == 1 else
+          f"; CP exchanges the latent and the indexer key, {latent} values per token")
+    loss = (f"indexer loss x {config.dsa_indexer_loss_coeff:g} over "
+            f"{'the selected keys' if config.dsa_indexer_use_sparse_loss else 'every causal key'}"
+            if config.dsa_indexer_loss_coeff else "no indexer loss")
+    return (f"; DeepSeek sparse attention: each query attends to its top-{config.dsa_indexer_topk} keys by a "
+            f"{config.dsa_indexer_n_heads}-head indexer (head dim {config.dsa_indexer_head_dim}), {loss}{cp}")
 
 
 def _mla_exchange_note(config):

@@ -45,6 +45,7 @@ from cp_ext.training.logging import IterationLog
 from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.report import attention_kernel_line, training_line
+from cp_ext.transformer.dsa import INDEXER_LOSSES
 from cp_ext.training.signals import ExitSignalHandler
 from cp_ext.training.setup import leave_distributed
 from cp_ext.training.steps import forward_step
@@ -158,6 +159,7 @@ class Trainer:
                    "skipped": not update_successful}
         metrics.update(self._aux_losses())
         metrics.update(self.mtp_losses())
+        metrics.update(INDEXER_LOSSES.take(self.config, self.num_microbatches, self.device))
         return metrics
 
     def lm_loss_sums(self, reports):

@@ -35,6 +35,7 @@ from cp_ext.arguments.attention import MLA_EXCHANGES
 from cp_ext.megatron_compat import MLA_ROPE_KWARGS
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.dsa import DSACoreAttention
 
 
 def _decoding_position(core_attention):
@@ -83,7 +84,10 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         return layers
 
     def latent_exchange(self) -> bool:
-        """Whether this forward exchanges the latent (`--cp-mla-exchange`, resolved on the run's groups)."""
+        """Whether this forward exchanges the latent (`--cp-mla-exchange`, resolved on the run's groups);
+        DSA always attends over the latent (MLA's MQA mode, `cp_ext.transformer.dsa`)."""
+        if isinstance(self.core_attention, DSACoreAttention):
+            return True
         if self.exchange == "kv":
             return False
         cp = self.pg_collection.cp.size()
@@ -106,7 +110,10 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         if not latent and not (own and self.pg_collection.tp.size() > 1):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
                                                        packed_seq_params, inference_context)
-        return self._projections(hidden_states, latent)
+        out = self._projections(hidden_states, latent)
+        if isinstance(self.core_attention, DSACoreAttention):  # the indexer reads the layer input and q's latent
+            self.core_attention.take_inputs(hidden_states, out[3])
+        return out
 
     def _projections(self, hidden_states, latent):
         """megatron's MLA projections and RoPE (``get_query_key_value_tensors``, no packing, no inference

@@ -418,7 +418,8 @@ def test_fully_masked_cp_shard(runs):
 
 def _assert_same(result, reference):
     (run, grads), (ref, ref_grads) = result, reference
-    for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")]):
+    for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")],
+                *[k for k in ref if k == "indexer loss"]):
         for it, (a, b) in enumerate(zip(run[key], ref[key])):
             assert abs(a - b) <= 1e-5 * abs(b), f"iteration {it + 1}: {key} {a} vs single-process {b}"
     if grads is None:
@@ -499,7 +500,7 @@ def _train(name, args):
         for _ in range(3 if "--use-distributed-optimizer" in args else 2):
             with _megatron_roll(name == MEGATRON_ROLL):
                 metrics = trainer.train_step()
-            for key in [k for k in metrics if k.startswith("mtp_")]:  # --mtp-num-layers: mtp_1 loss, ...
+            for key in [k for k in metrics if k.startswith("mtp_") or k == "indexer loss"]:  # mtp_1 loss, ...; DSA's
                 history.setdefault(key, [])
             for key in history:  # no load-balancing loss where its coefficient is 0 (GPT-OSS)
                 history[key].append(metrics.get(key, 0.0))

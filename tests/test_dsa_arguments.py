@@ -1,0 +1,76 @@
+"""DeepSeek sparse attention's flags (`cp_ext.arguments.dsa`): Megatron-LM's spelling and meaning, and the
+early, clear errors for what DSA does not run."""
+
+import pytest
+
+from cp_ext.arguments import ConfigError, parse_args
+
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6"]
+SIZES = ["--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8", "--dsa-indexer-topk", "8"]
+DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
+
+
+def _error(argv, world_size):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv, world_size=world_size)
+    return str(info.value)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "argv, world, must_name",
+    [
+        (["--dsa-indexer-topk", "8", "--dsa-indexer-use-sparse-loss"], 1,
+         ["--dsa-indexer-topk applies to DeepSeek sparse attention", "--dsa-indexer-use-sparse-loss applies",
+          "--experimental-attention-variant dsa"]),
+        (["--experimental-attention-variant", "dsa"] + SIZES, 1,
+         ["is DeepSeek-V3.2's sparse MLA; add --multi-latent-attention"]),
+        (MLA + ["--experimental-attention-variant", "dsa"], 1,
+         ["needs --dsa-indexer-n-heads, --dsa-indexer-head-dim, --dsa-indexer-topk", "--dsa-indexer-topk 2048"]),
+        (MLA + ["--experimental-attention-variant", "gated_delta_net"], 1, ["gated_delta_net", "not built in cp_ext"]),
+        (DSA[:-3] + ["2", "--dsa-indexer-topk", "8"], 1,
+         ["--dsa-indexer-head-dim 2 is smaller than the RoPE part", "--qk-pos-emb-head-dim 4"]),
+        (DSA + ["--dsa-indexer-loss-coeff", "-1"], 1, ["--dsa-indexer-loss-coeff -1.0 must be >= 0"]),
+        (DSA + ["--dsa-indexer-use-sparse-loss"], 1, ["--dsa-indexer-use-sparse-loss shapes the indexer loss"]),
+        (DSA + ["--context-parallel-size", "2", "--ulysses-size", "2"], 2,
+         ["runs under context parallelism on the ring (--cp-comm-type p2p) and all_gather", "Ulysses size 2"]),
+        (DSA + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                "2", "2"], 4, ["not Ulysses or hybrid", "--cp-comm-type p2p or all_gather"]),
+        (DSA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+         ["--tensor-model-parallel-size 1 for now"]),
+        (DSA + ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"], 2, ["--cp-mla-exchange kv: DSA attends"]),
+        (DSA + ["--window-size", "4,0"], 1, ["--window-size is not supported with --experimental-attention-variant"]),
+        (DSA + ["--softmax-type", "learnable"], 1, ["--softmax-type learnable is not supported"]),
+        (DSA + ["--reset-attention-mask"], 1, ["--reset-attention-mask (packed documents) is not supported"]),
+        (DSA + ["--recompute-granularity", "selective"], 1, ["--recompute-modules core_attn is not supported"]),
+    ],
+    ids=["dsa-flags-without-dsa", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
+         "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "tensor-parallel", "kv-exchange", "window",
+         "sink", "packed-documents", "core-attn-recompute"],
+)
+def test_bad_dsa_flags_name_the_flag(argv, world, must_name):
+    message = _error(argv, world)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_dsa_runs_where_every_layer_all_gathers():
+    """Ulysses-sized CP groups are fine where every layer all-gathers (the indexer keys are gathered too)."""
+    args = parse_args(DSA + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], world_size=2)
+    assert args.experimental_attention_variant == "dsa"
+
+
+def test_dsa_flags_reach_the_config():
+    """Megatron-LM's DSA fields on megatron's TransformerConfig; the variant itself as cp_ext's ``dsa``
+    (megatron's field stays None: `cp_ext.transformer.dsa` says why); None coefficient: no loss."""
+    from cp_ext.config import transformer_config_from_args
+
+    cfg = transformer_config_from_args(parse_args(DSA + ["--dsa-indexer-loss-coeff", "0.01",
+                                                         "--dsa-indexer-use-sparse-loss"], world_size=1))
+    assert cfg.dsa and cfg.experimental_attention_variant is None
+    assert (cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim, cfg.dsa_indexer_topk) == (4, 8, 8)
+    assert (cfg.dsa_indexer_loss_coeff, cfg.dsa_indexer_use_sparse_loss) == (0.01, True)
+    plain = transformer_config_from_args(parse_args(DSA, world_size=1))
+    assert plain.dsa_indexer_loss_coeff is None and not plain.dsa_indexer_use_sparse_loss
+    assert not transformer_config_from_args(parse_args(MLA, world_size=1)).dsa

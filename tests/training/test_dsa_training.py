@@ -1,0 +1,150 @@
+"""DeepSeek-V3.2's sparse attention (``--experimental-attention-variant dsa``) trains the same model on every
+CP layout it runs on: the whole model, through the trainer, against CP = 1 (fp32, 2 iterations).
+
+The model is test_grid_equivalence's small MoE GPT with its MLA (q-LoRA, latent norms, YaRN) made DSA:
+a 4-head indexer of dim 8 picks each query's top 8 of up to 32 keys, and the indexer loss (coefficient
+0.1, dense over every causal key, or sparse over the selected keys) trains the indexer. Weights are drawn
+with std 0.3 so the attention is far from uniform and the indexer loss is not ~0 (about 0.04).
+Compared, as in test_grid_equivalence (`_assert_same`): lm loss, load-balancing loss, indexer loss and
+grad norm of both iterations to 1e-5 relative, and every parameter's gradient (the indexer's projections
+and key norm included) after iteration 1. Iteration 2 runs on weights the indexer loss has moved, so its
+selection is the trained indexer's.
+
+At CP = 1 the worker also records, for every DSA forward, the smallest relative gap between a query's
+k-th and (k+1)-th indexer scores: the test asserts it exceeds 1e-4, so CP = N selecting CP = 1's keys is
+not luck. Launches: 1, 2 and 4 ranks.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.training.test_grid_equivalence import MLA_FLAGS, MODEL, _assert_same, _train  # noqa: E402
+
+DSA_FLAGS = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
+             "--dsa-indexer-topk", "8", "--dsa-indexer-loss-coeff", "0.1", "--init-method-std", "0.3"]
+SPARSE = ["--dsa-indexer-use-sparse-loss"]
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+ALL_GATHER = ["--cp-comm-type", "all_gather"]
+MTP = ["--mtp-num-layers", "1", "--num-layers", "2"]  # two layers: fewer top-k boundaries to separate
+RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
+    "cp1": (1, [], None),
+    "cp1_sparse": (1, SPARSE, None),
+    "cp1_mtp": (1, MTP, None),
+    "cp2_ring": (2, CP2, "cp1"),
+    "cp2_ring_contiguous": (2, CP2 + ["--cp-load-balance", "none"], "cp1"),
+    "cp2_all_gather": (2, CP2 + ALL_GATHER, "cp1"),
+    "cp2_ring_sparse": (2, CP2 + SPARSE, "cp1_sparse"),
+    "cp2_ring_mtp": (2, CP2 + MTP, "cp1_mtp"),
+    "cp4_ring": (4, CP4, "cp1"),
+    "cp4_all_gather_sparse": (4, CP4 + ALL_GATHER + SPARSE, "cp1_sparse"),
+    "pp2_cp2": (4, CP2 + ["--pipeline-model-parallel-size", "2"], "cp1"),
+}
+QUICK = ("cp2_ring",)
+
+
+def _min_topk_gap(record):
+    """`indexer_topk` that also records the smallest relative gap between each query's k-th and (k+1)-th
+    scores (where it has k + 1 causal keys) into ``record``; its selection is unchanged. Scores of exactly 0
+    (every head's ReLU off) are exact in every layout and summation order, so ties among them are real
+    and the lower position wins everywhere: they are not gaps."""
+    import torch
+
+    from cp_ext.attention import dsa_indexer
+
+    original = dsa_indexer.indexer_topk
+
+    def topk_and_gap(q, w, k, *, topk, **kw):
+        positions, scores = original(q, w, k, topk=topk + 1, **kw)
+        kth, next_ = scores[..., topk - 1], scores[..., topk]
+        has = torch.isfinite(next_) & (kth != 0)  # both 0 (ReLU): an exact tie, lower position wins everywhere
+        if has.any():
+            gap = ((kth - next_).abs() / torch.maximum(kth.abs(), next_.abs()))[has].min().item()
+            record.append(gap)
+        return positions[..., :topk], scores[..., :topk]
+
+    return original, topk_and_gap
+
+
+# ----------------------------------------------------------------------------- worker
+def worker():
+    import argparse
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from cp_ext.attention import dsa_indexer
+
+    opts = worker_args(sys.argv[1:])
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", required=True)
+    extra = p.parse_args(opts.extra)
+    results = {"results_dir": opts.results_dir}
+    for name in extra.layouts.split(","):
+        gaps = []
+        original, recording = _min_topk_gap(gaps)
+        if RUNS[name][0] == 1:
+            dsa_indexer.indexer_topk = recording
+        try:
+            results[name], grads = _train(name, MODEL + MLA_FLAGS + DSA_FLAGS + RUNS[name][1])
+        finally:
+            dsa_indexer.indexer_topk = original
+        results[name]["min topk gap"] = min(gaps) if gaps else None
+        torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+    write_results(opts.results_dir, results)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- pytest
+@pytest.fixture(scope="module")
+def runs(quick):
+    """``runs(name)``: (rank 0's metrics, full gradients); one launch per world size."""
+    import torch
+
+    done = {}
+
+    def get(name):
+        world = RUNS[name][0]
+        if name not in done:
+            wanted = [name] if quick else [n for n, (size, _, _) in RUNS.items() if size == world]
+            results = launch(__file__, world, "--layouts", ",".join(wanted), timeout=900)
+            out_dir = Path(results[0]["results_dir"])
+            for n in wanted:
+                full = {}
+                for rank in range(world):
+                    for unit, (shape, index, values) in torch.load(out_dir / f"grads_{n}_rank{rank}.pt",
+                                                                   weights_only=False).items():
+                        for idx, val in zip(index, values):
+                            full.setdefault(unit, torch.zeros(shape, dtype=torch.float64))[idx] = val.double()
+                done[n] = (results[0][n], full)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK else [])
+                                    for n, (_, _, ref) in RUNS.items() if ref])
+def test_dsa_matches_cp1(layout, runs):
+    reference = runs(RUNS[layout][2])
+    assert reference[0]["min topk gap"] > 1e-4, reference[0]["min topk gap"]
+    result = runs(layout)
+    assert result[0]["indexer loss"][0] > 1e-3  # the loss is there, and not ~0
+    indexer = [u for u in reference[1] if ".indexer." in u]
+    assert {u.split(".indexer.")[1].split(".")[0] for u in indexer} == {"linear_wq_b", "linear_wk", "k_norm",
+                                                                         "linear_weights_proj"}
+    assert all(reference[1][u].abs().max() > 0 for u in indexer), "every indexer parameter learns"
+    _assert_same(result, reference)
+
+
+def test_sparse_loss_changes_the_indexer_loss(runs):
+    """--dsa-indexer-use-sparse-loss has an effect: the loss over the selected keys is not the dense one."""
+    dense, sparse = runs("cp1")[0]["indexer loss"][0], runs("cp1_sparse")[0]["indexer loss"][0]
+    assert abs(dense - sparse) > 1e-3 * dense, (dense, sparse)
+
+
+if __name__ == "__main__":
+    worker()
