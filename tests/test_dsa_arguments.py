@@ -37,8 +37,6 @@ def _error(argv, world_size):
          ["runs under context parallelism on the ring (--cp-comm-type p2p) and all_gather", "Ulysses size 2"]),
         (DSA + ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
                 "2", "2"], 4, ["not Ulysses or hybrid", "--cp-comm-type p2p or all_gather"]),
-        (DSA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-         ["--tensor-model-parallel-size 1 for now"]),
         (DSA + ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"], 2, ["--cp-mla-exchange kv: DSA attends"]),
         (DSA + ["--window-size", "4,0"], 1, ["--window-size is not supported with --experimental-attention-variant"]),
         (DSA + ["--softmax-type", "learnable"], 1, ["--softmax-type learnable is not supported"]),
@@ -46,7 +44,7 @@ def _error(argv, world_size):
         (DSA + ["--recompute-granularity", "selective"], 1, ["--recompute-modules core_attn is not supported"]),
     ],
     ids=["dsa-flags-without-dsa", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
-         "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "tensor-parallel", "kv-exchange", "window",
+         "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "kv-exchange", "window",
          "sink", "packed-documents", "core-attn-recompute"],
 )
 def test_bad_dsa_flags_name_the_flag(argv, world, must_name):

@@ -82,9 +82,6 @@ def dsa_problems(args):
         p.append("--dsa-indexer-use-sparse-loss shapes the indexer loss, which is off (--dsa-indexer-loss-coeff "
                  "unset or 0); set a coefficient or drop the flag")
     p += _cp_problems(args)
-    if args.tensor_model_parallel_size > 1:
-        p.append("--experimental-attention-variant dsa runs at --tensor-model-parallel-size 1 for now (the latent's "
-                 "tensor-parallel gradient is not built yet); use context or data parallelism")
     if getattr(args, "cp_mla_exchange", "auto") == "kv":
         p.append("--cp-mla-exchange kv: DSA attends in MLA's MQA mode over the latent, which is what it exchanges; "
                  "drop --cp-mla-exchange")

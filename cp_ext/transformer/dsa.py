@@ -95,11 +95,12 @@ class ContextParallelDSAIndexer(DSAIndexer):
         tokens, from the layer input ``x`` [s, b, hidden] and the compressed query ``qr`` [s, b, q_lora_rank]
         (detached: the indexer learns from its own loss only)."""
         x, qr = x.detach(), qr.detach()
+        # megatron's rule, on the layer's input as it comes (an SP shard): x (TP under SP) x CP
+        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
         s, b = x.shape[:2]
-        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
         out = self.rotary_pos_emb(seq_len)
         emb, mscale = (out, 1.0) if self.config.rope_type == "rope" else out
         emb = emb[:s]

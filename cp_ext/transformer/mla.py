@@ -123,8 +123,9 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         ``linear_kv_down_proj``'s k_pe rows lose the other ranks' heads (tests/training/
         test_grid_equivalence.py, TP2: 3e-4 of the gradient's scale off, the size of that gradient).
         Here ``k_pe`` passes megatron's ``copy_to_tensor_model_parallel_region``, which all-reduces its
-        gradient over TP. Returns (query, key, value, q_compressed, kv_compressed); with ``latent``
-        (TP = 1) key is ``[c | k_pe]`` [s, b, r + p] and value None."""
+        gradient over TP. Returns (query, key, value, q_compressed, kv_compressed); with ``latent`` key is
+        ``[c | k_pe]`` [s, b, r + p] and value None. The latent exchange runs at TP = 1; DSA also at TP > 1,
+        where every rank's heads read the whole latent, so its gradient is summed over TP as k_pe's is."""
         cfg, tp = self.config, self.pg_collection.tp.size()
         r, p = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None)
@@ -140,9 +141,12 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         else:
             q_compressed, q = hidden_states, self.linear_q_proj(hidden_states)[0]
         kv_combined = self.linear_kv_down_proj(hidden_states)[0]
-        if kv_combined.size(-1) != r + p:
+        column_parallel = kv_combined.size(-1) != r + p
+        if column_parallel:
             c, k_pe = gather_from_tensor_model_parallel_region(kv_combined).split([r, p], dim=-1)
-            if cfg.sequence_parallel:
+            if latent and tp > 1:  # DSA: every rank's heads read the whole latent; sum their gradients, as k_pe's
+                c = copy_to_tensor_model_parallel_region(c)
+            elif cfg.sequence_parallel:
                 c = scatter_to_sequence_parallel_region(c)
             k_pe = copy_to_tensor_model_parallel_region(k_pe)  # the fix: every rank's heads' gradient
         else:
@@ -150,6 +154,9 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
             if tp > 1 and cfg.sequence_parallel:
                 k_pe = gather_from_sequence_parallel_region(k_pe, group=self.tp_group)
         c = self.kv_layernorm(c)
+        if latent and tp > 1 and not column_parallel:  # a duplicated down projection: the latent of this SP shard
+            c = (gather_from_sequence_parallel_region(c, group=self.tp_group) if cfg.sequence_parallel
+                 else copy_to_tensor_model_parallel_region(c))
         q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = q.split([cfg.qk_head_dim, p], dim=-1)
         emb = emb[: q.shape[0]]
