@@ -48,6 +48,9 @@ class ContextParallelTransformerConfig(TransformerConfig):
     (`cp_ext.transformer.dsa`). megatron's own ``experimental_attention_variant`` stays None: 0.16.1's
     config refuses it with CP > 1, and 0.19's spec builders swap in modules of their own when it is set."""
 
+    dsa_dense_warmup: bool = False
+    """``--dsa-dense-warmup``: V3.2's first stage, dense attention and only the indexer trained."""
+
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
     call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped

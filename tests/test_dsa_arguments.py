@@ -42,10 +42,13 @@ def _error(argv, world_size):
         (DSA + ["--softmax-type", "learnable"], 1, ["--softmax-type learnable is not supported"]),
         (DSA + ["--reset-attention-mask"], 1, ["--reset-attention-mask (packed documents) is not supported"]),
         (DSA + ["--recompute-granularity", "selective"], 1, ["--recompute-modules core_attn is not supported"]),
+        (DSA + ["--dsa-dense-warmup"], 1, ["--dsa-dense-warmup trains the indexer from its loss only, which is off"]),
+        (DSA + ["--dsa-dense-warmup", "--dsa-indexer-loss-coeff", "1", "--dsa-indexer-use-sparse-loss"], 1,
+         ["drop --dsa-indexer-use-sparse-loss, which belongs to the sparse stage"]),
     ],
     ids=["dsa-flags-without-dsa", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
          "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "kv-exchange", "window",
-         "sink", "packed-documents", "core-attn-recompute"],
+         "sink", "packed-documents", "core-attn-recompute", "warmup-without-loss", "warmup-sparse-loss"],
 )
 def test_bad_dsa_flags_name_the_flag(argv, world, must_name):
     message = _error(argv, world)
@@ -72,3 +75,21 @@ def test_dsa_flags_reach_the_config():
     plain = transformer_config_from_args(parse_args(DSA, world_size=1))
     assert plain.dsa_indexer_loss_coeff is None and not plain.dsa_indexer_use_sparse_loss
     assert not transformer_config_from_args(parse_args(MLA, world_size=1)).dsa
+
+
+@pytest.mark.parametrize("saved_warmup, run_flags, must_name", [
+    (True, [], "was written by DSA's dense warm-up (--dsa-dense-warmup)"),
+    (False, ["--dsa-dense-warmup"], "--dsa-dense-warmup trains the indexer only: add --no-load-optim"),
+], ids=["warmup-into-sparse", "sparse-into-warmup"])
+def test_stage_change_needs_a_fresh_optimizer(tmp_path, crafted_checkpoint, saved_warmup, run_flags, must_name):
+    """A warm-up checkpoint's optimizer covers the indexer only: resuming it in the other stage names
+    --no-load-optim, which (or --finetune) loads it."""
+    import json
+
+    ckpt = crafted_checkpoint(tmp_path / "ckpt", 2)
+    meta = ckpt / "iter_0000002" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "dsa_dense_warmup": saved_warmup}))
+    argv = DSA + ["--dsa-indexer-loss-coeff", "0.1", "--load", str(ckpt), "--train-iters", "4"] + run_flags
+    assert must_name in _error(argv, 1)
+    for fix in (["--no-load-optim"], ["--finetune"]):
+        parse_args(argv + fix, world_size=1)

@@ -47,7 +47,7 @@ MODEL_ARG_GROUPS = ("network size", "attention", "mixture of experts")
 NOT_MODEL_ARGS = {"attention_backend", "attention_kernel", "use_flash_attn", "attention_softmax_in_fp32",
                   "cp_mla_exchange", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_shared_expert_overlap",
                   "moe_layer_recompute", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
-                  "mtp_loss_scaling_factor", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "hidden_dropout", "attention_dropout", "bf16", "init_method_std"}
+                  "mtp_loss_scaling_factor", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "dsa_dense_warmup", "hidden_dropout", "attention_dropout", "bf16", "init_method_std"}
 # Restored only where the run does not give them (Megatron-LM's ``_set_arg`` without force): the sequence a
 # run trains or scores on may differ from the checkpoint's, but unset they are the checkpoint's, so a
 # learned position table is built at the size it was saved with.

@@ -6,6 +6,11 @@ query's ``--dsa-indexer-topk`` keys, and MLA attends to those only. ``--dsa-inde
 or 0: off, as in megatron-core) trains the indexer with its KL loss, over every causal key or, with
 ``--dsa-indexer-use-sparse-loss``, over the selected ones. Megatron-LM's flags carry no defaults for the
 sizes (DeepSeek-V3.2: 64 heads of 128, top-2048), so they are required here.
+
+``--dsa-dense-warmup`` is cp_ext's (Megatron-LM has no such flag): V3.2's first stage, in which attention
+stays dense, every parameter but the indexer's is frozen, and the indexer learns from its dense loss. Its
+checkpoint holds every weight; its optimizer state covers the indexer only, so the sparse stage loads it
+with ``--no-load-optim`` (the parse-time check says so).
 """
 
 from cp_ext.flag_types import POSITIVE
@@ -33,12 +38,17 @@ def add_dsa_args(g):
                         "Megatron-LM); the indexer learns from this loss only")
     g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true",
                    help="DSA: the indexer loss over each query's selected keys instead of every causal key")
+    g.add_argument("--dsa-dense-warmup", action="store_true",
+                   help="DSA: DeepSeek-V3.2's first training stage: attention stays dense and every parameter but "
+                        "the indexer's is frozen, so only the indexer learns (from its loss, over every causal key); "
+                        "its checkpoint continues into sparse training with --load ... --no-load-optim")
 
 
 def _given_without_dsa(args):
     flags = [flag for dest, flag in DSA_SIZE_FLAGS.items() if getattr(args, dest) is not None]
     flags += ["--dsa-indexer-loss-coeff"] if args.dsa_indexer_loss_coeff is not None else []
     flags += ["--dsa-indexer-use-sparse-loss"] if args.dsa_indexer_use_sparse_loss else []
+    flags += ["--dsa-dense-warmup"] if args.dsa_dense_warmup else []
     return [f"{flag} applies to DeepSeek sparse attention; add --experimental-attention-variant dsa or drop it"
             for flag in flags]
 
@@ -81,6 +91,12 @@ def dsa_problems(args):
     if args.dsa_indexer_use_sparse_loss and not coeff:
         p.append("--dsa-indexer-use-sparse-loss shapes the indexer loss, which is off (--dsa-indexer-loss-coeff "
                  "unset or 0); set a coefficient or drop the flag")
+    if args.dsa_dense_warmup and not coeff:
+        p.append("--dsa-dense-warmup trains the indexer from its loss only, which is off (--dsa-indexer-loss-coeff "
+                 "unset or 0); set a coefficient (e.g. 1) or drop --dsa-dense-warmup")
+    if args.dsa_dense_warmup and args.dsa_indexer_use_sparse_loss:
+        p.append("--dsa-dense-warmup attends densely and learns the indexer over every causal key (V3.2's first "
+                 "stage); drop --dsa-indexer-use-sparse-loss, which belongs to the sparse stage")
     p += _cp_problems(args)
     if getattr(args, "cp_mla_exchange", "auto") == "kv":
         p.append("--cp-mla-exchange kv: DSA attends in MLA's MQA mode over the latent, which is what it exchanges; "

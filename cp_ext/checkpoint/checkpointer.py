@@ -77,6 +77,8 @@ def checkpoint_meta(args, iteration, consumed_samples, train_samples, model_args
             "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
             "model": {name: getattr(args, name) for name in MODEL_FLAGS},
             "model_args": model_args,
+            # DSA's dense warm-up: its optimizer state covers the indexer's parameters only
+            "dsa_dense_warmup": bool(getattr(args, "dsa_dense_warmup", False)),
             # the data position, and the length the train dataset's sample order was built for
             "consumed_samples": consumed_samples, "train_samples": train_samples}
 

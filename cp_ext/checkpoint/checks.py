@@ -117,6 +117,21 @@ def megatron_core_problem(root, iteration, saved):
     return None
 
 
+def _dsa_stage_problem(root, iteration, saved, args):
+    """A checkpoint of DSA's dense warm-up (optimizer state for the indexer only) resumed by a run that trains
+    every parameter, or the other way round: the optimizer states do not match the parameters."""
+    warmup = bool(getattr(args, "dsa_dense_warmup", False))
+    if bool(saved.get("dsa_dense_warmup")) == warmup or args.finetune or args.no_load_optim:
+        return None
+    if saved.get("dsa_dense_warmup"):
+        return (f"--load {root}: iteration {iteration} was written by DSA's dense warm-up (--dsa-dense-warmup), whose "
+                f"optimizer state holds the indexer's parameters only; add --no-load-optim to continue into sparse "
+                f"training with every parameter (the weights, iteration and data position load; the optimizer "
+                f"starts fresh)")
+    return (f"--load {root}: iteration {iteration} trained every parameter, and --dsa-dense-warmup trains the "
+            f"indexer only: add --no-load-optim (a fresh optimizer for the indexer), or drop --dsa-dense-warmup")
+
+
 def layout_problems(root, args):
     """Why the latest checkpoint under `root` cannot load with `args` (checked at parse time).
 
@@ -152,6 +167,9 @@ def layout_problems(root, args):
         p.append(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} (--load {root}): "
                  f"there is nothing left to train; raise --train-iters above {iteration} to train on, or add "
                  f"--finetune to start a new run from its weights")
+    stage_problem = _dsa_stage_problem(root, iteration, saved, args)
+    if stage_problem:
+        p.append(stage_problem)
     schedule = saved.get("schedule")  # absent in checkpoints written before it was recorded
     resumes_schedule = not (args.finetune or args.no_load_optim or args.override_opt_param_scheduler
                             or args.use_checkpoint_opt_param_scheduler)

@@ -23,6 +23,7 @@ from cp_ext.config import padded_vocab_size, transformer_config_from_args
 from cp_ext.grid import Grid
 from cp_ext.megatron_compat import reset_moe_loss_tracker
 from cp_ext.models.gpt_moe import build_model
+from cp_ext.transformer.dsa import freeze_all_but_indexer
 
 
 @dataclass
@@ -68,6 +69,8 @@ def build_model_stack(args, grid: Grid, *, vocab_size: int, device=None, meta: b
         with torch.device("meta"):
             return ModelStack(config, [build_model(config, args, vocab, initialize=False)], vocab)
     model = build_model(config, args, vocab)
+    if getattr(config, "dsa_dense_warmup", False):
+        freeze_all_but_indexer(model)
     if device is not None:
         model = model.to(device)
     reset_moe_loss_tracker()

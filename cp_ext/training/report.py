@@ -50,6 +50,9 @@ def _dsa_note(config):
     loss = (f"indexer loss x {config.dsa_indexer_loss_coeff:g} over "
             f"{'the selected keys' if config.dsa_indexer_use_sparse_loss else 'every causal key'}"
             if config.dsa_indexer_loss_coeff else "no indexer loss")
+    if getattr(config, "dsa_dense_warmup", False):
+        return (f"; DeepSeek sparse attention, dense warm-up: attention over every key, only the "
+                f"{config.dsa_indexer_n_heads}-head indexer trains ({loss}){cp}")
     return (f"; DeepSeek sparse attention: each query attends to its top-{config.dsa_indexer_topk} keys by a "
             f"{config.dsa_indexer_n_heads}-head indexer (head dim {config.dsa_indexer_head_dim}), {loss}{cp}")
 

@@ -126,8 +126,8 @@ class DSACoreAttention(MegatronModule):
         self.latent_source = None  # the MLA module (a weak reference), which holds linear_kv_up_proj
         self.inputs = None  # (x, qr) of the current forward, handed over by the MLA module
         comm_types = getattr(config, "cp_comm_types", None)
-        layer_type = comm_types[min(self.layer_number, len(comm_types)) - 1] if comm_types else None
-        self.mode = "all_gather" if layer_type == "all_gather" else "ring"
+        self.comm_type = comm_types[min(self.layer_number, len(comm_types)) - 1] if comm_types else None
+        self.mode = "all_gather" if self.comm_type == "all_gather" else "ring"
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
         self.kv_cache = None  # generation is not built for DSA (refused at parse time)
 
@@ -157,13 +157,17 @@ class DSACoreAttention(MegatronModule):
         walk = dict(group=cp_group, layout=self.cp_layout, mode=self.mode)
         where = dict(walk, positions=positions)
         iq, iw, ik = self.indexer.index_inputs(x, qr)
-        q_positions = torch.arange(query.shape[0], device=query.device) if positions is None else positions
-        selected, _ = indexer_topk(iq, iw, ik, topk=cfg.dsa_indexer_topk, q_positions=q_positions, **walk)
         q_nope, q_pe = query.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         q = absorb_query(q_nope, q_pe, up_weight)
-        latent = sparse_attention(q, key, selected, softmax_scale=self.softmax_scale, v_head_dim=cfg.kv_lora_rank,
-                                  **where)
-        out = up_project_output(latent, up_weight, cfg.qk_head_dim)
+        selected = None
+        if getattr(cfg, "dsa_dense_warmup", False):  # V3.2's first stage: dense attention, the indexer learns
+            out = self._dense(query, key, up_weight, cp_group is not None)
+        else:
+            q_positions = torch.arange(query.shape[0], device=query.device) if positions is None else positions
+            selected, _ = indexer_topk(iq, iw, ik, topk=cfg.dsa_indexer_topk, q_positions=q_positions, **walk)
+            latent = sparse_attention(q, key, selected, softmax_scale=self.softmax_scale,
+                                      v_head_dim=cfg.kv_lora_rank, **where)
+            out = up_project_output(latent, up_weight, cfg.qk_head_dim)
         coeff = cfg.dsa_indexer_loss_coeff or 0.0
         if self.training and torch.is_grad_enabled() and coeff > 0:
             share = indexer_loss(q.detach(), key.detach(), iq, iw, ik, softmax_scale=self.softmax_scale,
@@ -173,6 +177,25 @@ class DSACoreAttention(MegatronModule):
             # the sum over this rank's queries, as the per-token LM loss is a sum (module docstring)
             out = DSAIndexerLossAutoScaler.apply(out, share * (query.shape[1] * query.shape[0] * cfg.context_parallel_size))
         return out.reshape(*out.shape[:2], -1)
+
+    def _dense(self, query, latent, up_weight, context_parallel):
+        """Dense causal MLA over every key, on the latent (the kernels and CP paths cp_ext's MLA runs)."""
+        from cp_ext.attention.dispatch import context_parallel_attention, local_attention
+
+        kernel = getattr(self.config, "attention_kernel", "auto")
+        if context_parallel:
+            return context_parallel_attention(query, latent, None, causal=True, softmax_scale=self.softmax_scale,
+                                              layout=self.cp_layout, kernel=kernel, comm_type=self.comm_type,
+                                              up_weight=up_weight)
+        return local_attention(query, latent, None, causal=True, softmax_scale=self.softmax_scale,
+                               kernel=None if kernel == "auto" else kernel, up_weight=up_weight)
+
+
+def freeze_all_but_indexer(model: torch.nn.Module) -> None:
+    """V3.2's dense warm-up trains the indexer only: every other parameter is frozen before megatron's DDP
+    and optimizer see the model (both take only parameters that require a gradient)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(".indexer." in name)
 
 
 class IndexerLossTracker:

@@ -23,13 +23,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 from tests.training.test_grid_equivalence import MLA_FLAGS, MODEL, _assert_same, _train  # noqa: E402
 
+STD = ["--init-method-std", "0.2"]
 DSA_FLAGS = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
-             "--dsa-indexer-topk", "8", "--dsa-indexer-loss-coeff", "0.1", "--init-method-std", "0.2"]
+             "--dsa-indexer-topk", "8", "--dsa-indexer-loss-coeff", "0.1"]
+WARMUP = ["--dsa-dense-warmup"]
 SPARSE = ["--dsa-indexer-use-sparse-loss"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 ALL_GATHER = ["--cp-comm-type", "all_gather"]
@@ -51,6 +54,24 @@ RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "tp2sp_cp2": (4, TP2SP + CP2, "cp1"),
     "tp2sp_cp2_sparse": (4, TP2SP + CP2 + SPARSE, "cp1_sparse"),
 }
+# V3.2's dense warm-up (--dsa-dense-warmup): dense attention, only the indexer trains; against CP = 1's warm-up,
+# and its first forward against the same model without DSA (MLA alone: the same weights but the indexer's,
+# which layout-invariant init draws by name), which dense attention must equal.
+WARMUPS = {
+    "cp1_warmup": (1, WARMUP, None),
+    "cp1_mla": (1, [], None),  # no DSA flags (`_flags`)
+    "cp2_ring_warmup": (2, CP2 + WARMUP, "cp1_warmup"),
+    "cp2_all_gather_warmup": (2, CP2 + ALL_GATHER + WARMUP, "cp1_warmup"),
+    "tp2sp_cp2_warmup": (4, TP2SP + CP2 + WARMUP, "cp1_warmup"),
+}
+RUNS.update(WARMUPS)
+# The two stages in sequence: 2 warm-up iterations saved, then sparse training loaded from them (CP2 ring).
+STAGES = "cp2_ring_warmup_then_sparse"
+RUNS[STAGES] = (2, CP2, None)
+
+
+def _flags(name):
+    return MODEL + MLA_FLAGS + STD + ([] if name == "cp1_mla" else DSA_FLAGS) + RUNS[name][1]
 QUICK = ("cp2_ring",)
 
 
@@ -77,6 +98,38 @@ def _min_topk_gap(record):
     return original, topk_and_gap
 
 
+def _weights(trainer):
+    return {name: p.detach().clone() for name, p in trainer.model[0].module.named_parameters()}
+
+
+def _stages(name, results_dir):
+    """2 warm-up iterations saved, then a sparse run loading them (--no-load-optim): where it starts, which
+    weights moved in the warm-up, and that the sparse run trains every parameter."""
+    from cp_ext.arguments import parse_args
+    from cp_ext.training.trainer import Trainer
+
+    save = str(Path(results_dir, "stages_ckpt"))
+    warm = Trainer(parse_args(_flags(name) + WARMUP + ["--save", save, "--train-iters", "2"]))
+    before = _weights(warm)
+    for _ in range(2):
+        warm.train_step()
+    warm.checkpointer.save(save)
+    after = _weights(warm)
+    warm.shutdown(keep_process_group=True)
+    moved = sorted({n.split(".indexer.")[-1] if ".indexer." in n else "main" for n in before
+                    if not torch.equal(before[n], after[n])})
+    sparse = Trainer(parse_args(_flags(name) + ["--load", save, "--no-load-optim", "--train-iters", "3"]))
+    loaded = _weights(sparse)
+    same = all(torch.equal(loaded[n], after[n]) for n in after)
+    start = sparse.iteration
+    metrics = sparse.train_step()
+    trained = _weights(sparse)
+    main_moved = any(not torch.equal(trained[n], loaded[n]) for n in trained if ".indexer." not in n)
+    sparse.shutdown(keep_process_group=True)
+    return dict(moved=moved, loaded_equal=same, start=start, main_moved=main_moved,
+                indexer_loss=metrics["indexer loss"]), {}
+
+
 # ----------------------------------------------------------------------------- worker
 def worker():
     import argparse
@@ -98,7 +151,10 @@ def worker():
         if RUNS[name][0] == 1:
             dsa_indexer.indexer_topk = recording
         try:
-            results[name], grads = _train(name, MODEL + MLA_FLAGS + DSA_FLAGS + RUNS[name][1])
+            if name == STAGES:
+                results[name], grads = _stages(name, opts.results_dir)
+            else:
+                results[name], grads = _train(name, _flags(name))
         finally:
             dsa_indexer.indexer_topk = original
         results[name]["min topk gap"] = min(gaps) if gaps else None
@@ -135,7 +191,7 @@ def runs(quick):
 
 
 @pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK else [])
-                                    for n, (_, _, ref) in RUNS.items() if ref])
+                                    for n, (_, _, ref) in RUNS.items() if ref and n not in WARMUPS])
 def test_dsa_matches_cp1(layout, runs):
     reference = runs(RUNS[layout][2])
     assert reference[0]["min topk gap"] > 1e-4, reference[0]["min topk gap"]
@@ -146,6 +202,40 @@ def test_dsa_matches_cp1(layout, runs):
                                                                          "linear_weights_proj"}
     assert all(reference[1][u].abs().max() > 0 for u in indexer), "every indexer parameter learns"
     _assert_same(result, reference)
+
+
+@pytest.mark.parametrize("layout", [n for n, (_, _, ref) in WARMUPS.items() if ref])
+def test_dense_warmup_matches_cp1(layout, runs):
+    """The warm-up at CP2 ring, all-gather and TP2+SP x CP2 equals CP = 1's: losses, indexer loss, grad norm
+    and the indexer's gradients within 1e-5; every other parameter has no gradient (frozen)."""
+    (run, grads), (ref, ref_grads) = runs(layout), runs(RUNS[layout][2])
+    for key in ("lm loss", "indexer loss", "grad norm"):
+        for a, b in zip(run[key], ref[key]):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{key} {a} vs CP = 1's {b}"
+    indexer = [u for u in ref_grads if ".indexer." in u]
+    assert indexer and all(ref_grads[u].abs().max() > 0 for u in indexer)
+    assert all(ref_grads[u].abs().max() == 0 and grads[u].abs().max() == 0 for u in ref_grads if u not in indexer)
+    for unit in indexer:
+        err, scale = (grads[unit] - ref_grads[unit]).abs().max().item(), ref_grads[unit].abs().max().item()
+        assert err <= 1e-5 * scale, f"{unit}: {err:.3e} vs max {scale:.3e}"
+
+
+def test_dense_warmup_attends_densely(runs):
+    """The warm-up's first LM loss is MLA's without DSA (the same weights): its attention is dense."""
+    warm, mla = runs("cp1_warmup")[0]["lm loss"][0], runs("cp1_mla")[0]["lm loss"][0]
+    assert abs(warm - mla) <= 1e-6 * abs(mla), (warm, mla)
+    sparse = runs("cp1")[0]["lm loss"][0]
+    assert abs(sparse - mla) > 1e-4 * abs(mla), "top-8 of 32 keys must differ from dense attention"
+
+
+def test_warmup_checkpoint_continues_into_sparse_training(runs):
+    """2 warm-up iterations move the indexer's weights only; the sparse run loads every weight, starts at
+    iteration 2, and trains every parameter."""
+    result = runs(STAGES)[0]
+    assert result["moved"] == ["k_norm.bias", "k_norm.weight", "linear_weights_proj.weight", "linear_wk.weight",
+                               "linear_wq_b.weight"], result["moved"]
+    assert result["loaded_equal"] and result["start"] == 2 and result["main_moved"]
+    assert result["indexer_loss"] > 0
 
 
 def test_sparse_loss_changes_the_indexer_loss(runs):
