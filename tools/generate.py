@@ -130,9 +130,6 @@ def main(argv=None):
             raise ConfigError("  - --logprobs writes each prompt's log-probabilities into --output's JSON: add "
                               "--output FILE" + (" and drop --passkey-samples (it reports keys, not prompts)"
                                                   if tool.passkey_samples else ""))
-        if args.experimental_attention_variant == "dsa":  # the cache keeps no indexer keys yet (#37 item 6)
-            raise ConfigError("  - generation with --experimental-attention-variant dsa is not built yet (the sharded "
-                              "KV cache keeps no indexer keys); score the model with pretrain_moe.py --skip-train --load CKPT")
         if tool.passkey_samples and args.synthetic_task != "passkey":
             raise ConfigError("  - --passkey-samples needs --synthetic-task passkey (the task the model was trained on)")
         prompts = read_prompts(tool) if not tool.passkey_samples else []

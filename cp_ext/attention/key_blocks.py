@@ -89,7 +89,7 @@ class KeyPlan:
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.group, self.mode, self.layout, self.seq_len = group, mode, layout, s * self.size
-        own = list(ring_positions(s, self.rank, self.size, layout))
+        own = list(range(s)) if self.size == 1 else list(ring_positions(s, self.rank, self.size, layout))
         if positions is None:
             positions = torch.tensor(own, dtype=torch.int64)
         elif mode == "ring" and self.size > 1 and positions.tolist() != own:

@@ -35,6 +35,7 @@ from megatron.core.models.gpt import GPTModel
 from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.dsa import DSACoreAttention
 
 
 @dataclass
@@ -96,7 +97,7 @@ class Generator:
         self.model, self.config = model, model.config
         self.device = next(model.parameters()).device
         self.model.eval()
-        self.attention = [m for m in self.model.modules() if isinstance(m, CoreAttention)]
+        self.attention = [m for m in self.model.modules() if isinstance(m, (CoreAttention, DSACoreAttention))]
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()

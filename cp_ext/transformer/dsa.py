@@ -43,6 +43,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 
 
+def _decoding_position(core):
+    """While a generation decodes, the global position of the token being decoded; else None."""
+    cache = core.kv_cache
+    return cache.position if cache is not None and cache.decoding else None
+
+
 class DuplicatedLinear(torch.nn.Module):
     """A linear layer every TP rank holds whole (megatron's ``parallel_mode="duplicated"``), with the
     signature megatron's specs build linears with; returns (output, None) like megatron's linears.
@@ -90,14 +96,15 @@ class ContextParallelDSAIndexer(DSAIndexer):
         p = self.qk_pos_emb_head_dim
         return torch.cat([_rotate(x[..., :p], emb, mscale), x[..., p:]], dim=-1)
 
-    def index_inputs(self, x, qr):
+    def index_inputs(self, x, qr, gather=True):
         """(q [s, b, H, D], weights [s, b, H] with megatron's H**-0.5 * D**-0.5, k [s, b, D]) of this rank's
         tokens, from the layer input ``x`` [s, b, hidden] and the compressed query ``qr`` [s, b, q_lora_rank]
-        (detached: the indexer learns from its own loss only)."""
+        (detached: the indexer learns from its own loss only). ``gather``: under sequence parallelism, gather
+        the sequence first (a decode step's one token is not split: False)."""
         x, qr = x.detach(), qr.detach()
         # megatron's rule, on the layer's input as it comes (an SP shard): x (TP under SP) x CP
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, x, self.config, None)
-        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
+        if gather and self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
         s, b = x.shape[:2]
@@ -129,7 +136,10 @@ class DSACoreAttention(MegatronModule):
         self.comm_type = comm_types[min(self.layer_number, len(comm_types)) - 1] if comm_types else None
         self.mode = "all_gather" if self.comm_type == "all_gather" else "ring"
         self.cp_layout = getattr(config, "cp_layout", "zigzag")
-        self.kv_cache = None  # generation is not built for DSA (refused at parse time)
+        # Generation (cp_ext.inference.generate): the CP-sharded cache of [latent | indexer key] rows; None
+        # while training. While it decodes, the indexer's RoPE rotates the one new token at its position.
+        self.kv_cache = None
+        self.indexer.rotary_pos_emb.decode_position = lambda: _decoding_position(self)
 
     def take_inputs(self, x, qr):
         self.inputs = (x, qr)
@@ -147,6 +157,10 @@ class DSACoreAttention(MegatronModule):
             (x, qr), self.inputs = self.inputs, None
         cfg = self.config
         up_weight = self.latent_source().linear_kv_up_proj.weight
+        q_nope, q_pe = query.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        q = absorb_query(q_nope, q_pe, up_weight)
+        if self.kv_cache is not None and self.kv_cache.decoding:
+            return self._decode(q, key, x, qr, up_weight)
         cp_group = parallel_state.get_context_parallel_group() if cfg.context_parallel_size > 1 else None
         positions = None
         if cp_group is not None:
@@ -157,8 +171,8 @@ class DSACoreAttention(MegatronModule):
         walk = dict(group=cp_group, layout=self.cp_layout, mode=self.mode)
         where = dict(walk, positions=positions)
         iq, iw, ik = self.indexer.index_inputs(x, qr)
-        q_nope, q_pe = query.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        q = absorb_query(q_nope, q_pe, up_weight)
+        if self.kv_cache is not None:  # a generation's prefill: keep [latent | indexer key], then attend as in training
+            self.kv_cache.store_prefill(self.layer_number - 1, torch.cat([key, ik], dim=-1), None, num_heads=q.shape[2])
         selected = None
         if getattr(cfg, "dsa_dense_warmup", False):  # V3.2's first stage: dense attention, the indexer learns
             out = self._dense(query, key, up_weight, cp_group is not None)
@@ -177,6 +191,19 @@ class DSACoreAttention(MegatronModule):
             # the sum over this rank's queries, as the per-token LM loss is a sum (module docstring)
             out = DSAIndexerLossAutoScaler.apply(out, share * (query.shape[1] * query.shape[0] * cfg.context_parallel_size))
         return out.reshape(*out.shape[:2], -1)
+
+    def _decode(self, q, latent, x, qr, up_weight):
+        """One new token (under SP one identical copy per TP rank) against the cache (`dsa_decode`)."""
+        from cp_ext.attention.sparse import up_project_output
+        from cp_ext.inference.dsa_decode import decode_sparse
+
+        cfg, copies = self.config, q.shape[0]
+        iq, iw, ik = self.indexer.index_inputs(x[:1], qr[:1], gather=False)
+        out = decode_sparse(self.kv_cache, self.layer_number - 1, q[:1], torch.cat([latent[:1], ik], dim=-1), iq, iw,
+                            topk=cfg.dsa_indexer_topk, softmax_scale=self.softmax_scale, latent_width=latent.shape[-1],
+                            value_width=cfg.kv_lora_rank)
+        out = up_project_output(out, up_weight, cfg.qk_head_dim)
+        return out.expand(copies, -1, -1, -1).reshape(copies, out.shape[1], -1)
 
     def _dense(self, query, latent, up_weight, context_parallel):
         """Dense causal MLA over every key, on the latent (the kernels and CP paths cp_ext's MLA runs)."""

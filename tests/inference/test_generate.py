@@ -5,8 +5,10 @@ CP1 (DP4), CP2 ring, CP2 Ulysses and CP4 = Ulysses 2 x ring 2 (and an MQA model,
 Ulysses 2: replicated in the cache, at CP1 and CP4; CP2 with EP2; PP2 x CP2; TP2+SP x CP2; TP2+SP x PP2), and generates 6 greedy tokens
 after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by token) and
 8192 tokens; a model with GPT-OSS's attention (a window of 96 on layer 1 of 2, a learnable
-sink) at CP1, CP2 ring and CP4 hybrid; and one with DeepSeek-V3's (MLA with q-LoRA and YaRN) at CP1,
-CP2 ring (which caches the latent) and CP4 hybrid. Checked:
+sink) at CP1, CP2 ring and CP4 hybrid; one with DeepSeek-V3's (MLA with q-LoRA and YaRN) at CP1,
+CP2 ring (which caches the latent) and CP4 hybrid; and that MLA made DeepSeek-V3.2's sparse attention
+(top 64 keys; the cache keeps [latent | indexer key], each step's top-k merged from every rank's
+candidates) at CP1, CP2 ring, CP2 all-gather and TP2+SP x CP2. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
   * CP1's decode logits equal one full forward over prompt + generated tokens (the cache path
     itself is right, not only consistent);
@@ -26,6 +28,9 @@ WINDOW = ["--window-size", "96,0", "--window-attn-skip-freq", "2", "--softmax-ty
 MLA = ["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "4", "--q-lora-rank", "24", "--kv-lora-rank", "32",
        "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--rotary-scaling-factor", "4"]
 MLA_LATENT_RATIO = (32 + 8) / (4 * (16 + 8 + 16))  # cached values per token: latent vs 4 heads' K/V
+# DeepSeek-V3.2's sparse attention on that MLA: each token attends to its top 64 (of up to 8198) keys
+DSA = MLA + ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "16",
+             "--dsa-indexer-topk", "64"]
 LAYOUTS = {
     "cp1": [],
     "cp2_ring": ["--context-parallel-size", "2"],
@@ -50,11 +55,17 @@ LAYOUTS = {
     # generates what the model without them does (layout-invariant init: the same main weights)
     "mtp_cp2_ring": ["--mtp-num-layers", "1", "--context-parallel-size", "2"],
     "mtp_pp2_cp2": ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+    # DSA: the cache keeps [latent | indexer key]; each decode step's top-k merged from every rank's candidates
+    "dsa_cp1": DSA,
+    "dsa_cp2_ring": DSA + ["--context-parallel-size", "2"],
+    "dsa_cp2_all_gather": DSA + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+    "dsa_tp2sp_cp2": DSA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
              "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
              "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1", "mla_cp2_ring": "mla_cp1",
-             "mla_cp4_hybrid": "mla_cp1", "mtp_cp2_ring": "cp1", "mtp_pp2_cp2": "cp1"}
+             "mla_cp4_hybrid": "mla_cp1", "mtp_cp2_ring": "cp1", "mtp_pp2_cp2": "cp1", "dsa_cp2_ring": "dsa_cp1",
+             "dsa_cp2_all_gather": "dsa_cp1", "dsa_tp2sp_cp2": "dsa_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -93,7 +104,7 @@ def test_logprobs_equal_cp1s_on_every_rank(results, layout, prompt):
         assert worst <= 1e-5, (rank, worst)
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_logprobs_equal_a_full_forwards_log_softmax(results, layout, prompt):
     assert results[0][layout][prompt]["logprob_max_abs_diff_vs_full_forward"] < 1e-5
@@ -104,7 +115,7 @@ def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
     assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5

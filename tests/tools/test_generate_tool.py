@@ -68,10 +68,8 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
-    (["--prompt", "x", "--multi-latent-attention", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads",
-      "2", "--dsa-indexer-head-dim", "64", "--dsa-indexer-topk", "4"], "generation with --experimental-attention-variant dsa"),
 ], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "logprobs-without-output", "temperature", "top-p", "top-k-greedy", "jsonl",
-        "prompt-file", "other-model", "dsa"])
+        "prompt-file", "other-model"])
 def test_bad_input_is_one_message(tmp_path, args, must_name, crafted_checkpoint):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n')
