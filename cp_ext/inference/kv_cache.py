@@ -193,6 +193,12 @@ class ShardedKVCache:
             out, _ = add_sink(out, lse, softmax_offset[self.ulysses_rank * n:(self.ulysses_rank + 1) * n])
         return self._gather_heads(out.to(q.dtype)).expand(copies, -1, -1, -1)
 
+    def attend_sparse(self, layer: int, q, row, index_q, index_w, **settings):
+        """DeepSeek sparse attention's decode step on this cache (`cp_ext.inference.dsa_decode.decode_sparse`)."""
+        from cp_ext.inference.dsa_decode import decode_sparse
+
+        return decode_sparse(self, layer, q, row, index_q, index_w, **settings)
+
     def finish_token(self) -> None:
         """Called once per decoded token, after every layer: the next one goes to the next ring rank."""
         self.decoded += 1

@@ -193,15 +193,15 @@ class DSACoreAttention(MegatronModule):
         return out.reshape(*out.shape[:2], -1)
 
     def _decode(self, q, latent, x, qr, up_weight):
-        """One new token (under SP one identical copy per TP rank) against the cache (`dsa_decode`)."""
+        """One new token (under SP one identical copy per TP rank) against the cache
+        (`cp_ext.inference.dsa_decode`, through the cache's ``attend_sparse``, as CoreAttention calls ``attend``)."""
         from cp_ext.attention.sparse import up_project_output
-        from cp_ext.inference.dsa_decode import decode_sparse
 
         cfg, copies = self.config, q.shape[0]
         iq, iw, ik = self.indexer.index_inputs(x[:1], qr[:1], gather=False)
-        out = decode_sparse(self.kv_cache, self.layer_number - 1, q[:1], torch.cat([latent[:1], ik], dim=-1), iq, iw,
-                            topk=cfg.dsa_indexer_topk, softmax_scale=self.softmax_scale, latent_width=latent.shape[-1],
-                            value_width=cfg.kv_lora_rank)
+        out = self.kv_cache.attend_sparse(self.layer_number - 1, q[:1], torch.cat([latent[:1], ik], dim=-1), iq, iw,
+                                          topk=cfg.dsa_indexer_topk, softmax_scale=self.softmax_scale,
+                                          latent_width=latent.shape[-1], value_width=cfg.kv_lora_rank)
         out = up_project_output(out, up_weight, cfg.qk_head_dim)
         return out.expand(copies, -1, -1, -1).reshape(copies, out.shape[1], -1)
 
