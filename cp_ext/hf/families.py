@@ -4,6 +4,7 @@ they share is `cp_ext.hf.adapter.Adapter`. DeepSeek-V3 (MLA, sigmoid groups) and
 
 from cp_ext.hf.adapter import Adapter
 from cp_ext.hf.deepseek_v3 import DeepseekV3
+from cp_ext.hf.deepseek_v32 import DeepseekV32
 from cp_ext.hf.gpt_oss import GptOss
 from cp_ext.hf.reader import HFError
 
@@ -95,7 +96,7 @@ class Mixtral(Adapter):
 
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3,
-                 "GptOssForCausalLM": GptOss}
+                 "DeepseekV32ForCausalLM": DeepseekV32, "GptOssForCausalLM": GptOss}
 
 
 def adapter_for(config, where):

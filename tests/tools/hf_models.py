@@ -3,11 +3,11 @@ family that tools/convert_hf.py imports; their norms (and routing biases) are pe
 one shows. `SHARDS`: how each is saved (sharded with an index at that size, or one file)."""
 
 SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek_v3_no_q_lora": None,
-          "gpt_oss": "40KB"}
+          "gpt_oss": "40KB", "deepseek_v32": "60KB"}
 
 
 def _config(family):
-    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, DeepseekV32Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -30,6 +30,20 @@ def _config(family):
             max_position_embeddings=163840, rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
                                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                                                           "beta_fast": 32, "beta_slow": 1})
+    if family == "deepseek_v32":
+        # DeepSeek-V3.2 in miniature: the V3 shape above with a lightning indexer on every layer (16 heads of dim
+        # 8, the first 4 rotated) choosing each token's top 7 keys (a 61-token prompt: 9x index_topk). 16
+        # heads, not 4: a score is exactly 0 only where every head's ReLU is, and such ties at the k-th key are
+        # broken by position here and by torch.topk's kernel in transformers (the test checks there are none)
+        return DeepseekV32Config(
+            vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5,
+            index_n_heads=16, index_head_dim=8, index_topk=7, max_position_embeddings=163840,
+            rope_parameters={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                             "rope_theta": 10000.0})
     if family == "gpt_oss":
         # GPT-OSS's release shape at toy size: alternating sliding (8 keys, so a 62-token prompt passes it) and
         # full layers, the release's YaRN (factor 32 from 4096 positions, beta 32/1, truncate false; head dim 8

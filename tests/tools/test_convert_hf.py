@@ -4,7 +4,9 @@ Small random models are built with transformers' config classes (no hub, `tests.
 Qwen3-MoE (q/k norms, GQA with its own head dim, a dense first layer, normalized top-k routing), saved
 sharded with an index, a Mixtral (GQA, softmax top-2), saved as one file, and a GPT-OSS (biases, sinks,
 alternating 8-key sliding windows, the release's YaRN, stacked interleaved experts, the clamped GLU),
-sharded; their norms are perturbed so a dropped norm shows, GPT-OSS's biases and sinks are random. Each
+sharded, and a DeepSeek-V3.2 (V3's shape with a lightning indexer choosing each token's top 7 keys, its
+tensors mapped onto megatron's DSA seat; no Ulysses grids: DSA refuses them), sharded;
+their norms are perturbed so a dropped norm shows, GPT-OSS's biases and sinks are random. Each
 is imported, and `tools/generate.py --logprobs` scores a prompt at CP1, CP2 ring, CP2 Ulysses, CP2
 all_gather, CP4 = U2 x R2, TP2+SP, PP2 and EP2: every prompt token's and generated token's log-prob
 equals transformers' log_softmax of its fp32 logits within 1e-4 (measured: 1e-6), and greedy tokens equal
@@ -80,8 +82,12 @@ def _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path):
     assert generated[0, -n:].tolist() == record["ids"]
 
 
-@pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("family", SHARDS)
+# DSA runs on the ring and all-gather; Ulysses is refused at parse time (tests/test_dsa_arguments.py)
+ULYSSES = {"cp2_ulysses", "cp4_u2r2"}
+
+
+@pytest.mark.parametrize("family, grid", [(f, g) for f in SHARDS for g in GRIDS
+                                          if not (f == "deepseek_v32" and g in ULYSSES)])
 def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
     _, ckpt, model = converted[family]
     nproc, flags = GRIDS[grid]
@@ -89,6 +95,46 @@ def test_logprobs_equal_transformers(converted, family, grid, tmp_path):
         # biased experts are refused at expert-TP > 1, and expert-TP 1 under TP 2 needs the TP ranks as EP ranks
         flags = flags + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]
     _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path)
+
+
+def test_deepseek_v32_topk_boundaries_are_separated(converted, tmp_path):
+    """In transformers' DeepSeek-V3.2 on the scored tokens, no query's 7th and 8th indexer scores lie within 1e-4
+    (relative) of each other, nor are both 0: cp_ext choosing transformers' keys is not luck (a tie would be
+    broken by position in cp_ext and by torch.topk's kernel in transformers). The scores are recomputed from
+    transformers' own indexer modules and RoPE, on the inputs its forward hands them."""
+    import torch
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_dsa
+
+    hf, ckpt, model = converted["deepseek_v32"]
+    output = tmp_path / "ids.jsonl"
+    run_script(1, GENERATE, "--config", ckpt / "model.yaml", "--load", ckpt, "--seq-length", "64", "--prompt", PROMPT,
+               "--max-new-tokens", "4", "--logprobs", "--output", output)  # --logprobs: the prompt's ids too
+    record = json.loads(output.read_text().splitlines()[0])
+    gaps = []
+
+    def boundary_gaps(indexer, args):
+        hidden, q_resid, (cos, sin) = args[:3]
+        b, s, _ = hidden.shape
+        p, k_top = indexer.qk_rope_head_dim, indexer.index_topk
+        q = indexer.wq_b(q_resid).view(b, s, indexer.n_heads, indexer.head_dim)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+        q_rot, k_rot = hf_dsa.apply_rotary_pos_emb(q[..., :p], k[..., :p], cos, sin, unsqueeze_dim=2)
+        q, k = torch.cat([q_rot, q[..., p:]], -1), torch.cat([k_rot, k[..., p:]], -1).squeeze(2)
+        per_head = torch.relu(q.float() @ k.float().transpose(-1, -2).unsqueeze(1) * indexer.softmax_scale)
+        index = (indexer.weights_proj(hidden).float() * indexer.n_heads ** -0.5).unsqueeze(-2) @ per_head
+        for t in range(k_top, s):
+            row = index[0, t, 0, : t + 1].sort(descending=True).values
+            a, c = row[k_top - 1].item(), row[k_top].item()
+            gaps.append(abs(a - c) / max(abs(a), abs(c)) if (a, c) != (0.0, 0.0) else 0.0)
+
+    hooks = [layer.self_attn.indexer.register_forward_pre_hook(boundary_gaps) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor(record["prompt_ids"] + record["ids"])[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(gaps) == 4 * (len(record["prompt_ids"]) + 4 - 7) and min(gaps) > 1e-4, min(gaps)
 
 
 def test_gpt_oss_window_layers_as_a_list_score_as_transformers(converted, tmp_path):
