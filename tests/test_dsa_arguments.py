@@ -3,18 +3,13 @@ early, clear errors for what DSA does not run."""
 
 import pytest
 
-from cp_ext.arguments import ConfigError, parse_args
+from cp_ext.arguments import parse_args
+from tests.test_arguments import _error
 
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
        "--v-head-dim", "6"]
 SIZES = ["--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8", "--dsa-indexer-topk", "8"]
 DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
-
-
-def _error(argv, world_size):
-    with pytest.raises(ConfigError) as info:
-        parse_args(argv, world_size=world_size)
-    return str(info.value)
 
 
 @pytest.mark.quick

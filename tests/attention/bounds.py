@@ -48,3 +48,25 @@ def ratio_to_bound(err: float, bound: float) -> float:
         return 0.0
     ratio = err / bound if bound > 0 else math.inf
     return ratio if ratio == ratio else math.inf
+
+
+FP32_ULP = 2.0 ** -23
+
+
+def shard_errors(got, truth, positions, names, whole=()):
+    """{name: (max |error|, max |truth|)} of this rank's rows (``positions`` of the sequence dim 0) of each
+    tensor in ``names``; those in ``whole`` (a weight, a loss) compared whole."""
+    out = {}
+    for name in names:
+        want = truth[name] if name in whole else truth[name].index_select(0, positions)
+        out[name] = ((got[name].double() - want).abs().max().item(), want.abs().max().item())
+    return out
+
+
+def check_twice_single_device(err, ref_err, names):
+    """Every tensor within 2x the single-device fp32 error (``ref_err``, from `shard_errors`) plus one fp32
+    ulp of its largest true value (the DSA tests' bound)."""
+    for name in names:
+        (e, truth), r = err[name], ref_err[name][0]
+        bound = 2 * r + FP32_ULP * truth
+        assert e <= bound, f"{name}: error {e:.3g} > 2 x single-device {r:.3g} + 1 ulp ({bound:.3g})"

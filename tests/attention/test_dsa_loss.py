@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.attention.test_sparse import (  # noqa: E402
-    B, FP32_ULP, HEADS, SCALE, S, model_inputs)
+from tests.attention.bounds import check_twice_single_device, shard_errors  # noqa: E402
+from tests.attention.test_sparse import B, HEADS, SCALE, S, model_inputs  # noqa: E402
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4
@@ -120,18 +120,11 @@ def cp_path(q, kv, indexer, chosen, positions, *, group=None, mode="ring", layou
 
 def errors(got, truth, positions):
     """{tensor: (max |error|, max |truth|)} of this rank's shard (the loss: whole)."""
-    out = {}
-    for name in TENSORS:
-        want = truth[name] if name == "loss" else truth[name].index_select(0, positions)
-        out[name] = ((got[name].double() - want).abs().max().item(), want.abs().max().item())
-    return out
+    return shard_errors(got, truth, positions, TENSORS, whole=("loss",))
 
 
 def check(err, ref_err):
-    for name in TENSORS:
-        (e, truth), r = err[name], ref_err[name][0]
-        bound = 2 * r + FP32_ULP * truth
-        assert e <= bound, f"{name}: error {e:.3g} > 2 x single-device {r:.3g} + 1 ulp ({bound:.3g})"
+    check_twice_single_device(err, ref_err, TENSORS)
 
 
 def chosen_keys(indexer, topk, positions, **kw):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.attention.bounds import check_twice_single_device, shard_errors  # noqa: E402
 from tests.attention.test_dsa_indexer import B, S, draw_inputs  # noqa: E402
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
@@ -31,7 +32,6 @@ HEADS, D_NOPE, ROPE, D_V, RANK = 4, 8, 4, 6, 12  # MLA: d_qk = 12, latent R + P 
 SCALE = (D_NOPE + ROPE) ** -0.5
 TOPKS = (3, 20, 64, 100)
 QUERY_TILE = 6
-FP32_ULP = 2.0 ** -23
 TENSORS = ("out", "q_nope", "q_pe", "c", "k_pe", "w_up")
 
 
@@ -103,19 +103,12 @@ def cp_path(attn, indexer, topk, positions, *, group=None, mode="ring", layout="
 
 def errors(got, truth, positions):
     """{tensor: (max |error|, max |truth|)} of this rank's shard (W_up: whole)."""
-    out = {}
-    for name in TENSORS:
-        want = truth[name] if name == "w_up" else truth[name].index_select(0, positions)
-        out[name] = ((got[name].double() - want).abs().max().item(), want.abs().max().item())
-    return out
+    return shard_errors(got, truth, positions, TENSORS, whole=("w_up",))
 
 
 def check(err, ref_err):
     """Every tensor within 2x the single-device fp32 error plus one ulp of its largest true value."""
-    for name in TENSORS:
-        (e, truth), r = err[name], ref_err[name][0]
-        bound = 2 * r + FP32_ULP * truth
-        assert e <= bound, f"{name}: error {e:.3g} > 2 x single-device {r:.3g} + 1 ulp ({bound:.3g})"
+    check_twice_single_device(err, ref_err, TENSORS)
 
 
 def selection_wrong(chosen, positions, order, topk):
