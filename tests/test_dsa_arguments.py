@@ -6,8 +6,8 @@ import pytest
 from cp_ext.arguments import parse_args
 from tests.test_arguments import _error
 
-MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
-       "--v-head-dim", "6"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 SIZES = ["--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8", "--dsa-indexer-topk", "8"]
 DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
 
@@ -16,9 +16,12 @@ DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
 @pytest.mark.parametrize(
     "argv, world, must_name",
     [
-        (["--dsa-indexer-topk", "8", "--dsa-indexer-use-sparse-loss"], 1,
+        (["--dsa-indexer-topk", "8", "--dsa-indexer-use-sparse-loss", "--dsa-dense-warmup"], 1,
          ["--dsa-indexer-topk applies to DeepSeek sparse attention", "--dsa-indexer-use-sparse-loss applies",
-          "--experimental-attention-variant dsa"]),
+          "--dsa-dense-warmup applies", "--experimental-attention-variant dsa"]),
+        (MLA[:1] + MLA[3:] + ["--experimental-attention-variant", "dsa"] + SIZES, 1,
+         ["dsa needs --q-lora-rank", "--q-lora-rank 1536"]),
+        (DSA[:-1] + ["0"], 1, ["--dsa-indexer-topk"]),
         (["--experimental-attention-variant", "dsa"] + SIZES, 1,
          ["is DeepSeek-V3.2's sparse MLA; add --multi-latent-attention"]),
         (MLA + ["--experimental-attention-variant", "dsa"], 1,
@@ -41,7 +44,7 @@ DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
         (DSA + ["--dsa-dense-warmup", "--dsa-indexer-loss-coeff", "1", "--dsa-indexer-use-sparse-loss"], 1,
          ["drop --dsa-indexer-use-sparse-loss, which belongs to the sparse stage"]),
     ],
-    ids=["dsa-flags-without-dsa", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
+    ids=["dsa-flags-without-dsa", "dsa-without-q-lora", "topk-zero", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
          "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "kv-exchange", "window",
          "sink", "packed-documents", "core-attn-recompute", "warmup-without-loss", "warmup-sparse-loss"],
 )

@@ -77,6 +77,9 @@ def dsa_problems(args):
     p = []
     if not args.multi_latent_attention:
         p.append("--experimental-attention-variant dsa is DeepSeek-V3.2's sparse MLA; add --multi-latent-attention")
+    elif args.q_lora_rank is None:
+        p.append("--experimental-attention-variant dsa needs --q-lora-rank: the indexer's queries come from q-LoRA's "
+                 "compressed query (DeepSeek-V3.2: --q-lora-rank 1536)")
     missing = [flag for dest, flag in DSA_SIZE_FLAGS.items() if getattr(args, dest) is None]
     if missing:
         example = " ".join(f"{DSA_SIZE_FLAGS[d]} {v}" for d, v in V32_SIZES.items())
