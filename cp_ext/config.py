@@ -122,13 +122,24 @@ def _activation(args):
     return dict(activation_func=F.silu if args.swiglu else F.gelu, gated_linear_unit=args.swiglu)
 
 
+def _mla_rope(args):
+    """MLA's RoPE (yarn by default, as Megatron-LM) and its YaRN's window and betas from the YaRN flags common
+    attention has (megatron's MLATransformerConfig names them without the yarn_ prefix; unset: its defaults)."""
+    out = dict(rope_type=args.rope_type or "yarn")
+    for field, value in (("original_max_position_embeddings", args.yarn_original_max_position_embeddings),
+                         ("beta_fast", args.yarn_beta_fast), ("beta_slow", args.yarn_beta_slow)):
+        if value is not None:
+            out[field] = value
+    return out
+
+
 def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config_class = ContextParallelMLATransformerConfig if args.multi_latent_attention else ContextParallelTransformerConfig
     config = config_class(
         **_one_to_one_fields(config_class, args),
         **_activation(args),
-        **(dict(rope_type=args.rope_type or "yarn") if args.multi_latent_attention else {}),
+        **(_mla_rope(args) if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         dsa=args.experimental_attention_variant == "dsa",
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,

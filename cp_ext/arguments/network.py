@@ -88,11 +88,12 @@ def _add_position_embedding_args(g):
     # Megatron-LM's YaRN for common attention (megatron/training/argument_utils.py sets megatron-core's yarn_*
     # config values from these; unset, its defaults: factor --rotary-scaling-factor, original 4096, beta 32/1)
     g.add_argument("--yarn-original-max-position-embeddings", type=POSITIVE, default=None,
-                   help="with --position-embedding-type yarn: the positions the model was trained at (default 4096)")
+                   help="with --position-embedding-type yarn or MLA's YaRN: the positions the model was trained at "
+                        "(default 4096)")
     g.add_argument("--yarn-beta-fast", type=number(float, 0, above=True), default=None,
-                   help="with --position-embedding-type yarn: YaRN's beta_fast (default 32)")
+                   help="with --position-embedding-type yarn or MLA's YaRN: YaRN's beta_fast (default 32)")
     g.add_argument("--yarn-beta-slow", type=number(float, 0, above=True), default=None,
-                   help="with --position-embedding-type yarn: YaRN's beta_slow (default 1)")
+                   help="with --position-embedding-type yarn or MLA's YaRN: YaRN's beta_slow (default 1)")
     g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
                    help="with --position-embedding-type yarn: round the correction range's ends (the default)")
     g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
@@ -148,9 +149,10 @@ def network_problems(args):
         ("--yarn-original-max-position-embeddings", args.yarn_original_max_position_embeddings),
         ("--yarn-beta-fast", args.yarn_beta_fast), ("--yarn-beta-slow", args.yarn_beta_slow),
         ("--(no-)yarn-correction-range-round-to-int", args.yarn_correction_range_round_to_int)) if value is not None]
-    if yarn_flags and (args.position_embedding_type != "yarn" or args.multi_latent_attention or args.enable_gpt_oss):
-        why = ("MLA's YaRN takes --rotary-scaling-factor, --mscale and --mscale-all-dim" if args.multi_latent_attention
-               else "--enable-gpt-oss sets GPT-OSS's values" if args.enable_gpt_oss
+    if args.multi_latent_attention:
+        p.extend(_mla_yarn_problems(args))
+    elif yarn_flags and (args.position_embedding_type != "yarn" or args.enable_gpt_oss):
+        why = ("--enable-gpt-oss sets GPT-OSS's values" if args.enable_gpt_oss
                else "they configure --position-embedding-type yarn")
         p.append(f"{', '.join(yarn_flags)}: {why}; drop {'them' if len(yarn_flags) > 1 else 'it'}")
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == "learned_absolute":
@@ -174,6 +176,22 @@ def network_problems(args):
                  f"--expert-tensor-parallel-size 1, and it is {args.expert_tensor_parallel_size} (it defaults to "
                  f"--tensor-model-parallel-size); add --expert-tensor-parallel-size 1 or --disable-bias-linear")
     return p + _mtp_problems(args)
+
+
+def _mla_yarn_problems(args):
+    """MLA's YaRN (megatron's MLATransformerConfig: original_max_position_embeddings, beta_fast, beta_slow) takes
+    the YaRN flags common attention has; it always rounds the correction range (the config has no switch)."""
+    given = [flag for flag, value in (
+        ("--yarn-original-max-position-embeddings", args.yarn_original_max_position_embeddings),
+        ("--yarn-beta-fast", args.yarn_beta_fast), ("--yarn-beta-slow", args.yarn_beta_slow)) if value is not None]
+    p = []
+    if given and args.rope_type == "rope":
+        p.append(f"{', '.join(given)}: they configure YaRN, and --rope-type rope runs plain RoPE; drop "
+                 f"{'them' if len(given) > 1 else 'it'} or use --rope-type yarn")
+    if args.yarn_correction_range_round_to_int is False:
+        p.append("--no-yarn-correction-range-round-to-int: megatron's multi-latent attention always rounds YaRN's "
+                 "correction range (its config has no switch); drop it")
+    return p
 
 
 def _mtp_problems(args):

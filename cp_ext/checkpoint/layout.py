@@ -40,7 +40,9 @@ SCHEDULE_FLAGS = {
 # planner's model description (`cp_ext.perf.model_shape`) names them; MLA's YaRN values too (not
 # shapes, but what the weights were trained to mean).
 MODEL_FLAGS = {**SHAPE_FLAGS, "rotary_scaling_factor": "--rotary-scaling-factor", "mscale": "--mscale",
-               "mscale_all_dim": "--mscale-all-dim"}
+               "mscale_all_dim": "--mscale-all-dim",
+               "yarn_original_max_position_embeddings": "--yarn-original-max-position-embeddings",
+               "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow"}
 # The grid it was saved at (`cp_ext.grid.Grid.as_meta`) and the optimizer's sharding.
 GRID_FLAGS = (*GRID_SIZE_FLAGS.values(), "use_distributed_optimizer")
 

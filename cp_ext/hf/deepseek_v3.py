@@ -9,8 +9,10 @@ Mapped explicitly:
   and so does megatron's MLA (its apply_rotary_pos_emb de-interleaves for multi_latent_attention). Without it
   HF rotates the two halves (x_i, x_{i+d/2}): the rope rows of the query and key projections are permuted so
   that half i and half i + d/2 become pair i, and q.k is the same sum.
-* YaRN: factor, mscale, mscale_all_dim -> --rotary-scaling-factor, --mscale, --mscale-all-dim; megatron's MLA
-  keeps YaRN's original 4096 positions, beta 32/1 and rounded correction range, so other values are refused.
+* YaRN: factor, mscale, mscale_all_dim -> --rotary-scaling-factor, --mscale, --mscale-all-dim;
+  original_max_position_embeddings, beta_fast, beta_slow -> --yarn-original-max-position-embeddings,
+  --yarn-beta-fast, --yarn-beta-slow (megatron's MLA config's window and betas); megatron's MLA always rounds
+  the correction range, so ``truncate: false`` is refused.
 * routing: sigmoid scores, ``e_score_correction_bias`` (megatron's expert_bias) for the choice only, groups
   ranked by their top-2 scores (megatron ranks by top-(topk / group_topk): the same when that is 2), the
   chosen scores renormalized and scaled by ``routed_scaling_factor``;
@@ -24,7 +26,10 @@ import torch
 from cp_ext.hf.adapter import Adapter, layer_unit, rope_problems
 from cp_ext.hf.reader import HFError
 
-MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "truncate": True}
+# YaRN's window and betas, config.json -> the YaRN flags (megatron's MLA config: original_max_position_embeddings,
+# beta_fast, beta_slow), with megatron's defaults where config.json has none
+MLA_YARN_FLAGS = {"original_max_position_embeddings": ("--yarn-original-max-position-embeddings", 4096),
+                  "beta_fast": ("--yarn-beta-fast", 32), "beta_slow": ("--yarn-beta-slow", 1)}
 RMS_EPS_OF_LATENT_NORMS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps
 
 
@@ -67,6 +72,8 @@ class DeepseekV3(Adapter):
             both = rope.get("mscale") and rope.get("mscale_all_dim")
             flags += ["--rope-type", "yarn", "--rotary-scaling-factor", rope["factor"],
                       "--mscale", rope["mscale"] if both else 1.0, "--mscale-all-dim", rope.get("mscale_all_dim") or 0.0]
+            for key, (flag, default) in MLA_YARN_FLAGS.items():
+                flags += [flag, rope.get(key) if rope.get(key) is not None else default]
         else:
             flags += ["--rope-type", "rope"]
         return flags
@@ -78,10 +85,9 @@ class DeepseekV3(Adapter):
         c, rope = self.c, _rope(self.c)
         p = [] if rope["rope_type"] == "yarn" else rope_problems(c)
         if rope["rope_type"] == "yarn":
-            for key, value in MLA_YARN.items():
-                if rope.get(key, value) != value:
-                    p.append(f"config.json: rope_parameters {key} {rope[key]!r}: megatron's multi-latent attention "
-                             f"uses YaRN with {key} {value} only")
+            if not rope.get("truncate", True):
+                p.append("config.json: rope_parameters truncate false: megatron's multi-latent attention always "
+                         "rounds YaRN's correction range")
             if rope.get("factor") is None or rope.get("attention_factor") is not None:
                 p.append("config.json: rope_parameters needs an explicit factor and no attention_factor for "
                          "megatron's MLA YaRN")

@@ -137,6 +137,21 @@ def test_deepseek_v32_topk_boundaries_are_separated(converted, tmp_path):
     assert len(gaps) == 4 * (len(record["prompt_ids"]) + 4 - 7) and min(gaps) > 1e-4, min(gaps)
 
 
+def test_deepseek_yarn_from_another_original_length_scores_as_transformers(tmp_path):
+    """A DeepSeek-V3 whose YaRN starts from 32 original positions with betas 16 / 2 (the 62-token prompt
+    crosses the window) imports through --yarn-original-max-position-embeddings, --yarn-beta-fast and
+    --yarn-beta-slow, and scores as transformers does."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2}
+    model = tiny_hf("deepseek_v3", rope_parameters=yarn)
+    model.save_pretrained(tmp_path / "hf")
+    run_script(0, TOOL, "import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
+    text = (tmp_path / "ckpt" / "model.yaml").read_text()
+    for line in ('yarn-original-max-position-embeddings: "32"', 'yarn-beta-fast: "16"', 'yarn-beta-slow: "2"'):
+        assert line in text, text
+    _scores_equal_transformers(tmp_path / "ckpt", model, 2, ["--context-parallel-size", "2"], tmp_path)
+
+
 def test_gpt_oss_window_layers_as_a_list_score_as_transformers(converted, tmp_path):
     """layer_types that megatron's every-N rule cannot give (full, sliding, sliding, sliding) go as the 0/1 list;
     at PP2 too, where megatron numbers the layers globally (counted per stage, the list would give layer 3 full
@@ -318,8 +333,8 @@ def _truncate(hf):
     ("mixtral", _config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
      ["rope type 'yarn' cannot be expressed"]),
     ("deepseek_v3_no_q_lora", _config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-                                                           "original_max_position_embeddings": 32}),
-     ["rope_parameters original_max_position_embeddings 32", "with original_max_position_embeddings 4096 only"]),
+                                                           "truncate": False}),
+     ["rope_parameters truncate false", "always rounds YaRN's correction range"]),
     ("deepseek_v3", _config("num_experts_per_tok", 3), ["num_experts_per_tok 3 / topk_group 1 != 2", "top-2"]),
     ("gpt_oss", _config("layer_types", ["sliding_attention", "chunked_attention"] * 2),
      ["layer_types", "cannot be expressed", "unknown: ['chunked_attention']"]),
