@@ -336,6 +336,10 @@ def _truncate(hf):
                                                            "truncate": False}),
      ["rope_parameters truncate false", "always rounds YaRN's correction range"]),
     ("deepseek_v3", _config("num_experts_per_tok", 3), ["num_experts_per_tok 3 / topk_group 1 != 2", "top-2"]),
+    ("deepseek_v32", lambda hf: (_config("layer_types", ["indexed_attention", "full_attention"] * 2)(hf),
+                                 _config("index_head_dim", 2)(hf)),
+     ["layer_types ['full_attention', 'indexed_attention']: only indexed_attention",
+      "index_head_dim 2 is smaller than qk_rope_head_dim 4"]),
     ("gpt_oss", _config("layer_types", ["sliding_attention", "chunked_attention"] * 2),
      ["layer_types", "cannot be expressed", "unknown: ['chunked_attention']"]),
     # every problem at once: a setting that cannot be expressed does not hide a wrong shape behind it
@@ -343,7 +347,7 @@ def _truncate(hf):
                             _config("intermediate_size", 24)(hf)),
      ["rope type 'yarn' cannot be expressed", "has shape (16, 32), config.json implies (24, 32)"]),
 ], ids=["architecture", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
-        "rope-type", "mla-yarn", "group-ranking", "gpt-oss-layer-types", "every-problem"])
+        "rope-type", "mla-yarn", "group-ranking", "v32-config", "gpt-oss-layer-types", "every-problem"])
 def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     proc = _edited(converted, tmp_path, family, edit)
     assert proc.returncode == 2, proc.stderr[-3000:]
