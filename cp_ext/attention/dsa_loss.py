@@ -171,7 +171,8 @@ def _kl_and_grads(plan, x: _Inputs, selected, scale, key_tile, att_norm, index_n
                 kl += torch.where(chunk.valid, terms, 0.0).sum(dtype=torch.float64)
                 if not want_grads:
                     continue
-                d_index = _index_score_grad(index_norm.probs(index, rows), target, chunk.valid).mul_(factor).unsqueeze(2)  # [b, T, 1, m]
+                d_index = _index_score_grad(index_norm.probs(index, rows), target, chunk.valid)
+                d_index = d_index.mul_(factor).unsqueeze(2)  # [b, T, 1, m]
                 iw = x.iw[:, rows]
                 diw[:, rows] += (d_index * per_head.relu()).sum(-1)
                 d_per_head = (d_index * iw.unsqueeze(-1)).masked_fill_(per_head <= 0, 0.0)  # [b, T, H, m]

@@ -43,7 +43,8 @@ class DeepseekV32(DeepseekV3):
             p.append("config.json: q_lora_rank null: DeepSeek-V3.2's indexer reads q-LoRA's compressed query")
         kinds = set(c.get("layer_types") or ["indexed_attention"])
         if kinds != {"indexed_attention"}:
-            p.append(f"config.json: layer_types {sorted(kinds)}: only indexed_attention (DSA on every layer) is imported")
+            p.append(f"config.json: layer_types {sorted(kinds)}: only indexed_attention (DSA on every layer) is "
+                     f"imported")
         k = c.get("first_k_dense_replace", 0)
         expected = ["dense" if i < k else "sparse" for i in range(c["num_hidden_layers"])]
         if c.get("mlp_layer_types", expected) != expected:

@@ -187,9 +187,10 @@ class DSACoreAttention(MegatronModule):
             share = indexer_loss(q.detach(), key.detach(), iq, iw, ik, softmax_scale=self.softmax_scale,
                                  loss_coeff=coeff, selected=selected if cfg.dsa_indexer_use_sparse_loss else None,
                                  tp_group=self.indexer.pg_collection.tp, **where)
-            INDEXER_LOSSES.add(self.layer_number, share.detach())
+            INDEXER_LOSSES.add(share.detach())
             # the sum over this rank's queries, as the per-token LM loss is a sum (module docstring)
-            out = DSAIndexerLossAutoScaler.apply(out, share * (query.shape[1] * query.shape[0] * cfg.context_parallel_size))
+            rows = query.shape[1] * query.shape[0] * cfg.context_parallel_size  # b x the whole sequence
+            out = DSAIndexerLossAutoScaler.apply(out, share * rows)
         return out.reshape(*out.shape[:2], -1)
 
     def _decode(self, q, latent, x, qr, up_weight):
@@ -232,7 +233,7 @@ class IndexerLossTracker:
     def __init__(self):
         self.total = 0.0
 
-    def add(self, layer, share):
+    def add(self, share):
         self.total = self.total + share.to(torch.float64)
 
     def take(self, config, num_microbatches, device):

@@ -37,7 +37,7 @@ SPARSE = ["--dsa-indexer-use-sparse-loss"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 ALL_GATHER = ["--cp-comm-type", "all_gather"]
 TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-MTP = ["--mtp-num-layers", "1", "--num-layers", "2", "--seed", "14"]  # two layers and a seed: separated top-k boundaries
+MTP = ["--mtp-num-layers", "1", "--num-layers", "2", "--seed", "14"]  # two layers, a seed: separated top-k boundaries
 RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "cp1": (1, [], None),
     "cp1_sparse": (1, SPARSE, None),
