@@ -107,9 +107,9 @@ def _recompute_problems(args):
         why_not = {
             "moe_act": "needs megatron's grouped-GEMM experts (moe_grouped_gemm, TransformerEngine); cp_ext's "
                        "local spec uses SequentialMLP experts. Use moe to recompute the whole MoE layer",
-            "mla_up_proj": ("is megatron's fp8 MLA up-projection recompute, which cp_ext's MLA seat does not run; use "
-                            "core_attn" if args.multi_latent_attention else
-                            "applies to multi-latent attention, which this model does not use"),
+            "mla_up_proj": (None if args.multi_latent_attention else
+                            "recomputes multi-latent attention's up projections and RoPE, and this model has no "
+                            "--multi-latent-attention; use core_attn"),
             "shared_experts": (None if moe and args.moe_shared_expert_intermediate_size else
                                "applies to MoE shared experts (--moe-shared-expert-intermediate-size), which this "
                                "model does not have"),

@@ -69,13 +69,19 @@ def router_saved_bytes(m: ModelShape, e: int = 2) -> int:
     return out + E * (1 + probs) + 8 * k  # the dispatcher's routing map, probs and permutation indices
 
 
-def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent: bool, e: int) -> Dict[str, float]:
+def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent: bool, e: int,
+                    up_proj_recompute: bool = False) -> Dict[str, float]:
     """Attention's saved elements per token (after the first norm's output), by dtype. The norms
     (torch's, without apex) save their input and the normalized tensor in fp32: in bf16 an fp32
-    copy of their input, in fp32 the input itself (a view of a saved projection where it is one)."""
+    copy of their input, in fp32 the input itself (a view of a saved projection where it is one).
+
+    ``up_proj_recompute`` (``--recompute-modules mla_up_proj``): MLA's up projections' outputs (q and
+    per-head K/V, or q and the latent key) are discarded after the forward; their inputs stay (the
+    normed latent c, and k_pe, a view of the kv_down output's storage). 'restored' is what the
+    recompute brings back for one layer in its backward."""
     a, dv = m.heads / tp, m.v_dim
     upcast = e != 4
-    act, fp32 = 0.0, a  # the LSE
+    act, fp32, restored = 0.0, a, 0.0  # the LSE
     if m.multi_latent_attention:
         r, p, qd = m.kv_lora_rank, m.qk_pos_emb_head_dim, m.head_dim
         act += 4 * p  # RoPE cos / sin
@@ -86,7 +92,12 @@ def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent:
             if m.qk_layernorm:  # q_layernorm's input and normalized r_q (fp32), rstd; q_up's input r_q
                 fp32 += (2 * m.q_lora_rank + 1) / sp
             act += m.q_lora_rank / sp
-        if latent:
+        if up_proj_recompute:
+            # kept: c (the norm's output) and k_pe, a view of the kv_down output, whose storage the norm
+            # already keeps in fp32 training; without the norm c and k_pe are both views of that storage
+            act += (r + (r + p if upcast else 0) if m.qk_layernorm else r + p) / sp
+            restored = a * qd + (r + p) if latent else 2 * a * qd + a * dv + a * p
+        elif latent:
             act += a * qd + (r + p)
         else:  # kv_up's input (the norm's output, or a view of the kv_down output), per-head q, k, v
             act += (r if m.qk_layernorm else r + p) / sp + 2 * a * qd + a * dv + a * p
@@ -98,17 +109,18 @@ def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent:
             fp32 += 2 * a * d + g * d + (g * d if upcast else 0) + a + g
         copy = cp > 1 or m.is_window_layer(i)
     act += a * dv + (a * dv if copy else 0)  # core output, linear_proj's [s, b, h] copy
-    return {"act": act, "fp32": fp32, "copy": a * dv if copy else 0.0}
+    return {"act": act, "fp32": fp32, "copy": a * dv if copy else 0.0, "restored": restored}
 
 
 def layer_activation_elems(m: ModelShape, i: int = 0, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                           latent: bool = False, dtype: str = "bf16") -> Dict[str, float]:
+                           latent: bool = False, dtype: str = "bf16", up_proj_recompute: bool = False
+                           ) -> Dict[str, float]:
     """Per token, layer i: elements in the activation dtype ('act'), fp32 elements, dtype-free bytes;
     'post_*': the part saved after the attention call (linear_proj's copy, the second norm, the
     MLP / MoE), freed by the time the backward reaches that attention."""
     h, e = m.hidden, 4 if dtype == "fp32" else 2
     sp = tp if sequence_parallel else 1
-    attn = attention_elems(m, i, tp=tp, sp=sp, cp=cp, latent=latent, e=e)
+    attn = attention_elems(m, i, tp=tp, sp=sp, cp=cp, latent=latent, e=e, up_proj_recompute=up_proj_recompute)
     # a norm: its input and the normalized tensor in fp32 (+ rstd), its output (the next linear's input)
     norm, norm_fp32 = h / sp, (2 * h + 1) / sp
     if m.is_moe_layer(i):
@@ -120,7 +132,8 @@ def layer_activation_elems(m: ModelShape, i: int = 0, *, tp: int = 1, cp: int = 
     else:
         mlp, mlp_fp32, mlp_bytes = mlp_elems(m, m.ffn) / tp, 0.0, 0.0
     return {"act": 2 * norm + attn["act"] + mlp, "fp32": 2 * norm_fp32 + attn["fp32"] + mlp_fp32, "bytes": mlp_bytes,
-            "post_act": norm + attn["copy"] + mlp, "post_fp32": norm_fp32 + mlp_fp32, "post_bytes": mlp_bytes}
+            "post_act": norm + attn["copy"] + mlp, "post_fp32": norm_fp32 + mlp_fp32, "post_bytes": mlp_bytes,
+            "restored_act": attn["restored"]}
 
 
 def outside_layers_bytes(m: ModelShape, *, e: int, tp: int = 1, sp: int = 1) -> float:

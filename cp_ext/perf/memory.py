@@ -78,7 +78,7 @@ def korthikanti_layer_bytes(m: ModelShape, s: int, b: int = 1, flash: bool = Tru
     return s * b * m.hidden * (34 + (0 if flash else 5 * m.heads * s / m.hidden))
 
 
-RECOMPUTE_MODES = (None, "full", "full_cp_aware")
+RECOMPUTE_MODES = (None, "full", "full_cp_aware", "mla_up_proj")
 # Megatron's --cp-comm-type names; None is cp_ext's default (the attention the CP groups pick:
 # ring, Ulysses or the hybrid). Only all_gather holds more than its shard.
 CP_COMM_TYPES = (None, "p2p", "a2a", "a2a+p2p", "all_gather")
@@ -112,8 +112,9 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     """Per-rank activation bytes of one training step (first pipeline stage, the largest).
 
     ``recompute``: None (keep everything), ``"full"`` (megatron's full recompute, one layer per
-    checkpoint) or ``"full_cp_aware"`` (full, keeping each layer's attention output and LSE:
-    cp_ext's default under full recompute). ``True`` means ``"full_cp_aware"``.
+    checkpoint), ``"full_cp_aware"`` (full, keeping each layer's attention output and LSE:
+    cp_ext's default under full recompute) or ``"mla_up_proj"`` (selective: MLA's up projections'
+    outputs dropped after the forward). ``True`` means ``"full_cp_aware"``.
     ``cp_comm_type``: None (today's ring / Ulysses / hybrid) or a `CP_COMM_TYPES` name;
     ``"all_gather"`` adds its transient K/V where it raises the peak (module docstring);
     ``"attention_transient"`` is what one call holds. ``ulysses`` and ``mla_exchange``
@@ -135,8 +136,9 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     sp = tp if sequence_parallel else 1
     stage_layers = m.layers // pp
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
-    per = [layer_activation_elems(m, i, tp=tp, cp=cp, sequence_parallel=sequence_parallel, latent=latent, dtype=dtype)
-           for i in range(stage_layers)]
+    up_proj = recompute == "mla_up_proj" and m.multi_latent_attention
+    per = [layer_activation_elems(m, i, tp=tp, cp=cp, sequence_parallel=sequence_parallel, latent=latent, dtype=dtype,
+                                  up_proj_recompute=up_proj) for i in range(stage_layers)]
     layer_bytes = [tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]) for x in per]
     vocab_part = tokens * outside_layers_bytes(m, e=e, tp=tp, sp=sp)
     # MTP layers (pp = 1: on this stage): one more layer like the last and its own logits each
@@ -144,10 +146,12 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     # saved after the last layer's attention call: freed before the backward reaches that attention
     last = per[-1]
     post_attention = tokens * (last["post_act"] * e + last["post_fp32"] * 4 + last["post_bytes"])
-    if recompute is None:
+    if recompute in (None, "mla_up_proj"):
         layers_bytes = in_flight * sum(layer_bytes) + mtp
-        # the transient peaks in the last layer's attention backward: the logits are freed by then
-        total = max(layers_bytes + vocab_part, layers_bytes - post_attention + transient)
+        # the transient peaks in the last layer's attention backward: the logits are freed by then; so do
+        # the up projections' outputs that --recompute-modules mla_up_proj brings back for that layer
+        restored = tokens * last["restored_act"] * e
+        total = max(layers_bytes + vocab_part, layers_bytes - post_attention + transient + restored)
         return {"layers": layers_bytes, "embedding+logits": vocab_part, "attention_transient": transient,
                 "total": total}
     # Full recompute keeps each layer's input (the checkpoint) and, CP-aware, its attention

@@ -82,8 +82,7 @@ class LiveSavedBytes:
     def __init__(self, excluded_ptrs, kept_bytes=lambda: 0):
         self.excluded = excluded_ptrs
         self.kept_bytes = kept_bytes
-        self.live = {}  # storage data_ptr -> [nbytes, references]
-        self.bytes = 0
+        self.live = {}  # storage data_ptr when saved -> [nbytes then, references, the storage]
         self.peak = 0
         self.kept_at_peak = 0
         self.largest = {}  # storage data_ptr -> (nbytes, shape, dtype), every storage ever saved
@@ -96,8 +95,14 @@ class LiveSavedBytes:
         entry = self.live[ptr]
         entry[1] -= 1
         if entry[1] == 0:
-            self.bytes -= entry[0]
             del self.live[ptr]
+
+    @property
+    def bytes(self):
+        """The saved storages' bytes now. Read from each storage, not remembered from when it was saved:
+        megatron's output-discarding checkpoint (``--recompute-modules mla_up_proj``, ``layernorm``,
+        ``moe_act``) shrinks a saved storage to 0 bytes after the forward and refills it in the backward."""
+        return sum(entry[2].nbytes() for entry in self.live.values())
 
     def sample(self):
         kept = self.kept_bytes()
@@ -116,8 +121,7 @@ class LiveSavedBytes:
             return tensor
         entry = self.live.get(ptr)
         if entry is None:
-            entry = self.live[ptr] = [storage.nbytes(), 0]
-            self.bytes += entry[0]
+            entry = self.live[ptr] = [storage.nbytes(), 0, storage]
             self.largest.setdefault(ptr, (entry[0], tuple(tensor.shape), str(tensor.dtype).replace("torch.", "")))
         entry[1] += 1
         held = _Held(tensor)

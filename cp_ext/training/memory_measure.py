@@ -21,8 +21,9 @@ from cp_ext.perf.workers import run_workers, write_config_error
 
 # Recompute modes by name: the trainer flags each adds.
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-MODES = {"none": [], "full": FULL + ["--no-cp-aware-recompute"], "full-cp-aware": FULL}
-PLANNER_MODE = {"none": None, "full": "full", "full-cp-aware": "full_cp_aware"}
+MODES = {"none": [], "full": FULL + ["--no-cp-aware-recompute"], "full-cp-aware": FULL,
+         "mla-up-proj": ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]}
+PLANNER_MODE = {"none": None, "full": "full", "full-cp-aware": "full_cp_aware", "mla-up-proj": "mla_up_proj"}
 # --cp-comm-types: "default" is the attention the CP groups pick (ring; Ulysses / hybrid with --ulysses-size)
 COMM_TYPES = ("default", "all_gather")
 

@@ -23,6 +23,7 @@ import weakref
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -130,6 +131,7 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         r, p = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
         seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None)
         emb, mscale = (self.rotary_pos_emb(seq_len), 1.0) if cfg.rope_type == "rope" else self.rotary_pos_emb(seq_len)
+        q_compressed = hidden_states  # without q-LoRA the query projects the layer input (megatron's naming)
         if cfg.q_lora_rank is not None:
             q_compressed = self.linear_q_down_proj(hidden_states)[0]
             if q_compressed.size(-1) != cfg.q_lora_rank:  # a column-parallel down projection: gather it
@@ -137,9 +139,6 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
                 if cfg.sequence_parallel:
                     q_compressed = scatter_to_sequence_parallel_region(q_compressed)
             q_compressed = self.q_layernorm(q_compressed)
-            q = self.linear_q_up_proj(q_compressed)[0]
-        else:
-            q_compressed, q = hidden_states, self.linear_q_proj(hidden_states)[0]
         kv_combined = self.linear_kv_down_proj(hidden_states)[0]
         column_parallel = kv_combined.size(-1) != r + p
         if column_parallel:
@@ -157,6 +156,31 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         if latent and tp > 1 and not column_parallel:  # a duplicated down projection: the latent of this SP shard
             c = (gather_from_sequence_parallel_region(c, group=self.tp_group) if cfg.sequence_parallel
                  else copy_to_tensor_model_parallel_region(c))
+
+        def up_projections_and_rope(q_input, c, k_pe, emb):
+            return self._up_projections_and_rope(q_input, c, k_pe, emb, mscale, latent)
+
+        if self.recompute_up_proj:
+            # --recompute-modules mla_up_proj: megatron's output-discarding checkpoint. The up projections'
+            # outputs (query; per-head K/V or the latent key) are freed once the core attention has saved
+            # them, and recomputed from the kept inputs when the attention output's gradient arrives (megatron's
+            # forward calls discard_output_and_register_recompute). Nothing CP exchanges is inside: the ring or
+            # all-gather moves the same bytes as without it (at TP > 1 with SP the column-parallel up projections
+            # gather their input again, as megatron's do). fp8=None: megatron's "no quantization" (False means on).
+            self.qkv_up_checkpoint = CheckpointWithoutOutput(fp8=None)
+            out = self.qkv_up_checkpoint.checkpoint(up_projections_and_rope, q_compressed, c, k_pe, emb)
+        else:
+            out = up_projections_and_rope(q_compressed, c, k_pe, emb)
+        if latent:
+            return out[0], out[1], None, q_compressed, c
+        return (*out, q_compressed, c)
+
+    def _up_projections_and_rope(self, q_input, c, k_pe, emb, mscale, latent):
+        """The local part of MLA's projections: the query's up projection (or the whole query projection
+        without q-LoRA), RoPE on q_pe and k_pe and, without the latent exchange, the K/V up projection.
+        Returns (query, latent key) under the latent exchange, else (query, key, value)."""
+        cfg, p = self.config, self.config.qk_pos_emb_head_dim
+        q = (self.linear_q_up_proj if cfg.q_lora_rank is not None else self.linear_q_proj)(q_input)[0]
         q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = q.split([cfg.qk_head_dim, p], dim=-1)
         emb = emb[: q.shape[0]]
@@ -166,9 +190,9 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope)  # [s, b, 1, p]
         query = torch.cat([q_nope, q_pe], dim=-1)
         if latent:
-            return query, torch.cat([c, k_pe.squeeze(-2)], dim=-1), None, q_compressed, c
+            return query, torch.cat([c, k_pe.squeeze(-2)], dim=-1)
         kv = self.linear_kv_up_proj(c)[0]
         kv = kv.view(*kv.shape[:2], self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim)
         k_nope, value = kv.split([cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(-1, -1, self.num_attention_heads_per_partition, -1)], dim=-1)
-        return query.contiguous(), key.contiguous(), value.contiguous(), q_compressed, c
+        return query.contiguous(), key.contiguous(), value.contiguous()

@@ -37,6 +37,7 @@ SPARSE = ["--dsa-indexer-use-sparse-loss"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 ALL_GATHER = ["--cp-comm-type", "all_gather"]
 TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+UP_PROJ = ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
 MTP = ["--mtp-num-layers", "1", "--num-layers", "2", "--seed", "14"]  # two layers, a seed: separated top-k boundaries
 RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "cp1": (1, [], None),
@@ -53,7 +54,12 @@ RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "tp2sp": (2, TP2SP, "cp1"),
     "tp2sp_cp2": (4, TP2SP + CP2, "cp1"),
     "tp2sp_cp2_sparse": (4, TP2SP + CP2 + SPARSE, "cp1_sparse"),
+    "cp2_ring_up_proj": (2, CP2 + UP_PROJ, "cp1"),
+    "tp2sp_cp2_up_proj": (4, TP2SP + CP2 + UP_PROJ, "cp1"),
 }
+# --recompute-modules mla_up_proj: the query and the latent key dropped after the forward and recomputed in the
+# backward; bit-identical to the same grid without it
+UP_PROJ_TWINS = {"cp2_ring_up_proj": "cp2_ring", "tp2sp_cp2_up_proj": "tp2sp_cp2"}
 # V3.2's dense warm-up (--dsa-dense-warmup): dense attention, only the indexer trains; against CP = 1's warm-up,
 # and its first forward against the same model without DSA (MLA alone: the same weights but the indexer's,
 # which layout-invariant init draws by name), which dense attention must equal.
@@ -202,6 +208,17 @@ def test_dsa_matches_cp1(layout, runs):
                                                                          "linear_weights_proj"}
     assert all(reference[1][u].abs().max() > 0 for u in indexer), "every indexer parameter learns"
     _assert_same(result, reference)
+
+
+@pytest.mark.parametrize("layout", list(UP_PROJ_TWINS))
+def test_mla_up_proj_recompute_is_bit_identical(layout, runs):
+    (run, grads), (ref, ref_grads) = runs(layout), runs(UP_PROJ_TWINS[layout])
+    assert run["up proj recompute"] == [True] and ref["up proj recompute"] == [False]
+    for key in ("lm loss", "indexer loss", "grad norm"):
+        assert run[key] == ref[key], (key, run[key], ref[key])
+    assert grads.keys() == ref_grads.keys()
+    for unit, g in ref_grads.items():
+        assert torch.equal(grads[unit], g), unit
 
 
 @pytest.mark.parametrize("layout", [n for n, (_, _, ref) in WARMUPS.items() if ref])

@@ -517,6 +517,7 @@ def _train(name, args):
         history["evaluation"] = evaluate_losses(trainer, trainer.dataset, 1)
     mla = [m for m in trainer.model[0].module.modules() if isinstance(m, ContextParallelMLASelfAttention)]
     history["latent exchange"] = sorted({m.latent_exchange() for m in mla})
+    history["up proj recompute"] = sorted({m.recompute_up_proj for m in mla})  # --recompute-modules mla_up_proj
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
     mtp = getattr(trainer.model[0].module, "mtp", None)
     history["replayed mtp"] = 0 if mtp is None else sum(m.kept.replayed for m in mtp.modules() if isinstance(m, CoreAttention))

@@ -65,6 +65,24 @@ GRIDS = {
     "tp2cp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
                        "--expert-model-parallel-size", "2"]),
 }
+# --recompute-modules mla_up_proj on DeepSeek-V3's attention (tests/training/test_grid_equivalence.py's MLA flags),
+# against the same MLA model without it, on every grid: the latent exchange on the ring (cp2_ring, pp2_cp2), the
+# per-head K/V exchange through megatron's own projections (Ulysses), MLA's TP projections (TP2); on the CP2 launch
+# also --cp-mla-exchange kv and the all-gathered latent. The recompute redoes the same ops on the same inputs, so
+# the gradients must be bit-identical (tolerance 0), and megatron's recompute hook must have run.
+MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12",
+             "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+             "--rotary-scaling-factor", "4", "--mscale-all-dim", "1.0"]
+UP_PROJ = ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
+MLA_RUNS = {"mla_none": [], "mla_up_proj": UP_PROJ}
+MLA_EXTRA_RUNS = {
+    "mla_kv_none": ["--cp-mla-exchange", "kv"], "mla_kv_up_proj": ["--cp-mla-exchange", "kv"] + UP_PROJ,
+    "mla_all_gather_none": ["--cp-comm-type", "all_gather"],
+    "mla_all_gather_up_proj": ["--cp-comm-type", "all_gather"] + UP_PROJ,
+}
+MLA_PAIRS = [("mla_up_proj", "mla_none")]
+MLA_EXTRA_PAIRS = [("mla_kv_up_proj", "mla_kv_none"), ("mla_all_gather_up_proj", "mla_all_gather_none")]
+
 # Packed documents (the document plan is made in the first forward and reused by the replay's
 # backward), on every grid; on the CP2 launch also with all_gather attention. Data: short documents.
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
@@ -106,14 +124,26 @@ def grid_results(request, launches):
     return request.param, launches(request.param)
 
 
-def _check_pair(results, mode, base):
+def _check_pair(results, mode, base, tolerance=TOLERANCE):
     for rank, res in results.items():
         run, ref = res[mode], res[base]
         for key in ("lm loss", "load balancing loss", "grad norm"):
             for it, (a, b) in enumerate(zip(run[key], ref[key])):
-                assert abs(a - b) <= TOLERANCE * abs(b), f"rank {rank} iteration {it + 1}: {key} {a} vs {b} ({base})"
-        assert run["grad_rel_err"] <= TOLERANCE, f"rank {rank}: worst parameter gradient {run['grad_rel_err']:.2e} ({run['grad_worst']})"
+                assert abs(a - b) <= tolerance * abs(b), f"rank {rank} iteration {it + 1}: {key} {a} vs {b} ({base})"
+        assert run["grad_rel_err"] <= tolerance, f"rank {rank}: worst parameter gradient {run['grad_rel_err']:.2e} ({run['grad_worst']})"
         assert run["grads_compared"] > 10
+
+
+def test_mla_up_proj_recompute_is_bit_identical(grid_results):
+    """--recompute-modules mla_up_proj: MLA's up projections and RoPE recomputed in the backward (megatron's
+    output-discarding checkpoint) give the very gradients of the run without it, on every exchange."""
+    grid, results = grid_results
+    for mode, base in MLA_PAIRS + (MLA_EXTRA_PAIRS if grid == "cp2_ring" else []):
+        _check_pair(results, mode, base, tolerance=0.0)
+        for rank, res in results.items():
+            # every MLA layer's outputs were recomputed once per microbatch, in iteration 1 and 2
+            assert res[mode]["up_proj_recomputes"] == 2 * 4 * res[mode]["microbatches"] // res[mode]["stages"], res[mode]
+            assert res[base]["up_proj_recomputes"] == 0
 
 
 def test_every_recompute_mode_is_exact(grid_results):
@@ -183,6 +213,15 @@ def _run_mode(base_flags, mode_flags):
         return real_split(*args, **kwargs)
 
     mcore_random.split_tensor_into_1d_equal_chunks = counted_split
+    recomputes = {"n": 0}
+    real_recompute = mcore_random.CheckpointWithoutOutput._recompute
+
+    def counted_recompute(self, *args):  # the output-discarding checkpoint's hook (mla_up_proj)
+        if self.ctx is not None:
+            recomputes["n"] += 1
+        return real_recompute(self, *args)
+
+    mcore_random.CheckpointWithoutOutput._recompute = counted_recompute
     trainer = Trainer(parse_args(base_flags + mode_flags))
     record = {"lm loss": [], "load balancing loss": [], "grad norm": []}
     grads = None
@@ -201,6 +240,11 @@ def _run_mode(base_flags, mode_flags):
     record["replayed"] = sum(k.replayed for k in kept)
     record["distributed_splits"] = splits["n"]
     mcore_random.split_tensor_into_1d_equal_chunks = real_split
+    mcore_random.CheckpointWithoutOutput._recompute = real_recompute
+    record["up_proj_recomputes"] = recomputes["n"]
+    args = trainer.args
+    record["microbatches"] = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    record["stages"] = args.pipeline_model_parallel_size
     return record, grads
 
 
@@ -219,14 +263,16 @@ def _grid_records(grid, docs):
     grid_flags = GRIDS[grid][1]
     base, dense = MODEL + grid_flags, DENSE_MODEL + grid_flags
     runs = {name: (base, flags) for name, flags in MODES.items()}
-    pairs = list(PAIRS)
+    runs.update({name: (base + MLA_FLAGS, flags) for name, flags in MLA_RUNS.items()})
+    pairs = list(PAIRS) + MLA_PAIRS
     if grid in DOC_GRIDS:
         runs.update({name: (base + docs, flags) for name, flags in DOC_RUNS.items()})
         pairs += DOC_PAIRS
     if grid == "cp2_ring":
         runs.update({name: (dense if name.startswith("dense") else base, flags) for name, flags in EXTRA.items()})
         runs.update({name: (base + docs, flags) for name, flags in ALL_GATHER_DOC_RUNS.items()})
-        pairs += EXTRA_PAIRS
+        runs.update({name: (base + MLA_FLAGS, flags) for name, flags in MLA_EXTRA_RUNS.items()})
+        pairs += EXTRA_PAIRS + MLA_EXTRA_PAIRS
     records, grads = {}, {}
     for name, (flags, mode) in runs.items():
         records[name], grads[name] = _run_mode(list(flags), list(mode))
