@@ -58,6 +58,18 @@ class ContextParallelTransformerConfig(TransformerConfig):
     at auto: it only steers TransformerEngine's attention (NVTE_* variables), which cp_ext's
     core attention replaces."""
 
+    def __post_init__(self):
+        # megatron asserts expert-TP 1 for biased experts, because its experts add the fc2 bias to every expert-TP
+        # partial sum; cp_ext's expert seat adds it once (`cp_ext.transformer.experts`). The check runs at
+        # expert-TP 1 and the run's size is put back (nothing else in the config derives from it there).
+        expert_tp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        biased_expert_tp = self.num_moe_experts is not None and self.add_bias_linear and expert_tp > 1
+        if biased_expert_tp:
+            self.expert_tensor_parallel_size = 1
+        super().__post_init__()
+        if biased_expert_tp:
+            self.expert_tensor_parallel_size = expert_tp
+
 
 @dataclass
 class ContextParallelMLATransformerConfig(ContextParallelTransformerConfig, MLATransformerConfig):

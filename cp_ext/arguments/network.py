@@ -171,10 +171,12 @@ def network_problems(args):
     if args.padded_vocab_size is not None and args.padded_vocab_size % args.tensor_model_parallel_size:
         p.append(f"--padded-vocab-size {args.padded_vocab_size} is not divisible by --tensor-model-parallel-size "
                  f"{args.tensor_model_parallel_size}")
-    if args.add_bias_linear and args.num_experts is not None and args.expert_tensor_parallel_size > 1:
-        p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) need "
-                 f"--expert-tensor-parallel-size 1, and it is {args.expert_tensor_parallel_size} (it defaults to "
-                 f"--tensor-model-parallel-size); add --expert-tensor-parallel-size 1 or --disable-bias-linear")
+    etp, tp = args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    if args.add_bias_linear and args.num_experts is not None and etp > tp:
+        # megatron-core 0.16.1's grad norm finds TP duplicates by the dense TP rank (cp_ext.transformer.experts)
+        p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) run at "
+                 f"--expert-tensor-parallel-size up to --tensor-model-parallel-size {tp}, and it is {etp}; lower it "
+                 f"or add --disable-bias-linear")
     return p + _mtp_problems(args)
 
 

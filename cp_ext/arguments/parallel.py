@@ -148,15 +148,6 @@ def grid_problems(args):
     """The world size against the grid, and the sizes each parallelism must divide."""
     p = Grid.problems_of(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    if args.num_experts and ep == 1 and etp != tp:
-        # megatron-core 0.16.1 tags expert weights as experts (``allreduce=False``) only under EP > 1; at EP 1
-        # DDP reduces them over DP like dense weights, never over the TP ranks whose tokens they also saw
-        # (measured at TP2, expert-TP 1: expert gradients 0.4x the single-process ones)
-        p.append(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp} at "
-                 f"--expert-model-parallel-size 1: megatron-core then reduces the experts' gradients over data "
-                 f"parallelism only, which is wrong; use --expert-model-parallel-size > 1 or "
-                 f"--expert-tensor-parallel-size {tp}")
     if args.num_attention_heads % tp:
         p.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                  f"--tensor-model-parallel-size {tp}; choose a TP size that divides the head count")

@@ -15,7 +15,8 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
                             DSA seat: indexer + sparse attention, `cp_ext.transformer.dsa`)
       pre_mlp_layernorm  -> cp_ext SequenceParallelNorm
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
-        experts.linear_fc2 -> cp_ext ExpertRowParallelLinear   (biased experts: GPT-OSS)
+        experts.linear_fc1 -> cp_ext ExpertColumnParallelLinear (expert-TP != TP: reduced over expert-DP)
+        experts.linear_fc2 -> cp_ext ExpertRowParallelLinear    (that, and biased experts: GPT-OSS)
     final_layernorm      -> cp_ext SequenceParallelNorm
     mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
                             shards), its norms SequenceParallelNorm, its layer the last one's seats
@@ -54,7 +55,7 @@ from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import dsa_core_attention_spec
-from cp_ext.transformer.experts import ExpertRowParallelLinear
+from cp_ext.transformer.experts import ExpertColumnParallelLinear, ExpertRowParallelLinear
 from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -82,7 +83,8 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     _, mlp = spec_parts(submodules.mlp)
     experts_class, experts = spec_parts(getattr(mlp, "experts", None))  # MoE layers only
     if experts_class is SequentialMLP:
-        experts.linear_fc2 = ExpertRowParallelLinear  # biased experts add in place
+        # biased experts add their bias once, in place; expert-TP != TP reduces over expert-DP on every release
+        experts.linear_fc1, experts.linear_fc2 = ExpertColumnParallelLinear, ExpertRowParallelLinear
     return layer
 
 

@@ -138,8 +138,8 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
 
 
 def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
-    """Megatron's EP folding (ETP = TP, cp_ext's default, or 1 for biased experts, which cp_ext runs
-    at expert-TP 1 only; EP | experts, EP x ETP | TP x CP x DP, the largest such EP) and the Ulysses
+    """Megatron's EP folding (ETP = TP, cp_ext's default, or 1 for biased experts, as megatron-core
+    requires of them (cp_ext also runs them at ETP = TP, `cp_ext.transformer.experts`); EP | experts, EP x ETP | TP x CP x DP, the largest such EP) and the Ulysses
     size (the largest U | CP, U | heads/TP, TP x U within a node)."""
     ep, etp = 1, (1 if m.add_bias_linear else g.tp)
     if m.experts:

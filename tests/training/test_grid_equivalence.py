@@ -57,6 +57,9 @@ LAYOUTS = {
     "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]),
     "tp2cp2dp2_ep2": (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
                           "--expert-model-parallel-size", "2"]),
+    # expert-TP 1 under TP 2 at EP 1: the experts' gradients summed over megatron's expert-DP group (the TP peers)
+    "tp2sp_dp2_etp1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                           "--expert-tensor-parallel-size", "1"]),
 }
 
 # Loss mask zero on the second half of every sample: with contiguous CP2, rank 1 holds
@@ -175,6 +178,12 @@ FAMILY_LAYOUTS = {
                           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
 }
 FAMILY_RUNS = {f"{family}_{layout}": (family, layout) for family in FAMILIES for layout in FAMILY_LAYOUTS}
+# GPT-OSS's biased experts at TP2 + SP x CP2: at expert-TP 2 (megatron's default, = TP; each fc2 bias added once
+# over the expert-TP ranks), and at expert-TP 1 under TP 2 at EP 1 (reduced over megatron's expert-DP group)
+TP2SP_CP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]
+FAMILY_LAYOUTS.update({"tp2sp_cp2": (4, TP2SP_CP2),
+                       "tp2sp_cp2_etp1": (4, TP2SP_CP2 + ["--expert-tensor-parallel-size", "1"])})
+FAMILY_RUNS.update({f"gpt_oss_20b_{layout}": ("gpt_oss_20b", layout) for layout in ("tp2sp_cp2", "tp2sp_cp2_etp1")})
 
 
 def family_args(family, layout_flags):
