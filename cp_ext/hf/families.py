@@ -99,6 +99,14 @@ ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral,
                  "DeepseekV32ForCausalLM": DeepseekV32, "GptOssForCausalLM": GptOss}
 
 
+# Architectures close to a supported one that cp_ext does not run, and the difference (beyond the config).
+NOT_SUPPORTED = {
+    "GlmMoeDsaForCausalLM": "GLM-5's DSA is DeepSeek-V3.2's with two model differences, not only config: its indexer "
+                            "rotates interleaved pairs (V3.2's rotates the halves) and its 'shared' layers "
+                            "(indexer_types) reuse the previous layer's top-k instead of running an indexer",
+}
+
+
 def adapter_for(config, where):
     archs = config.get("architectures") or []
     for arch in archs:
@@ -106,4 +114,7 @@ def adapter_for(config, where):
             adapter = ARCHITECTURES[arch](config)
             adapter.used = set()
             return adapter
+    for arch in archs:
+        if arch in NOT_SUPPORTED:
+            raise HFError(f"{where}: architecture {arch} is not supported: {NOT_SUPPORTED[arch]}")
     raise HFError(f"{where}: architecture {archs} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")

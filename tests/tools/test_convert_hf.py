@@ -323,6 +323,8 @@ def _truncate(hf):
 @pytest.mark.parametrize("family, edit, must_name", [
     ("mixtral", _config("architectures", ["LlamaForCausalLM"]),
      ["architecture ['LlamaForCausalLM'] is not supported", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]),
+    ("deepseek_v32", _config("architectures", ["GlmMoeDsaForCausalLM"]),
+     ["architecture GlmMoeDsaForCausalLM is not supported", "interleaved", "indexer_types"]),
     ("mixtral", _drop_tensor("model.layers.1.block_sparse_moe.experts.2.w3.weight"),
      ["model.layers.1.block_sparse_moe.experts.2.w3.weight is missing"]),
     ("mixtral", _drop_tensor("", extra="model.layers.0.extra.weight"),
@@ -347,7 +349,7 @@ def _truncate(hf):
     ("mixtral", lambda hf: (_config("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})(hf),
                             _config("intermediate_size", 24)(hf)),
      ["rope type 'yarn' cannot be expressed", "has shape (16, 32), config.json implies (24, 32)"]),
-], ids=["architecture", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
+], ids=["architecture", "glm-moe-dsa", "missing-tensor", "left-over-tensor", "shape-vs-config", "truncated", "missing-shard",
         "rope-type", "mla-yarn", "group-ranking", "v32-config", "gpt-oss-layer-types", "every-problem"])
 def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
     proc = _edited(converted, tmp_path, family, edit)
