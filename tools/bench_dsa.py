@@ -6,7 +6,8 @@
 V3.2's per-head dims by default (qk_head_dim 128 + qk_pos_emb_head_dim 64, v_head_dim 128, kv_lora_rank 512,
 indexer head dim 128), fewer heads (attention and indexer: 4), fp32. Fwd + bwd of each, from the same q,
 latent and ``linear_kv_up_proj`` weight, interleaved per repetition after a barrier each, a repetition's time
-being the slowest rank's; the ratio is the median of the per-repetition DSA / dense ratios
+being the slowest rank's; the ratio is the median of the per-repetition DSA / dense ratios, printed beside
+the ratio of CPU seconds (every rank's, summed: what a shared box's other load does not change)
 (`cp_ext.attention.bench_dsa`: what each side runs). ``--dense latent,kv`` picks the dense baselines (the
 latent ring, ``--cp-mla-exchange latent``, and megatron's per-head K/V); the ratio is printed against each.
 
@@ -121,14 +122,18 @@ def main(argv=None):
                max(r["memory"]["rss"] for r in per_rank),
                "per_rank": [r["memory"] for r in per_rank], "megatron_tensor": mega["tensor"],
                "megatron_peak": mega["peak"]}
+        cpu = {name: [sum(r["counts"][name][i]["cpu_s"] for r in per_rank) for i in range(args.warmup, len(c))]
+               for name, c in counts.items()}  # per timed call, summed over the ranks
         ratios = {}
         for n in dense:
             per_rep = [a / b for a, b in zip(times["dsa"], times[f"dense_{n}"])]
-            ratios[f"dense_{n}"] = {"median": B.median(per_rep), "per_rep": per_rep}
+            ratios[f"dense_{n}"] = {"median": B.median(per_rep), "per_rep": per_rep,
+                                    "cpu": B.median(cpu["dsa"]) / B.median(cpu[f"dense_{n}"])}
         load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else ["?"] * 3
         res = {"C": C, "s": s, "topk": args.topk, "layout": args.layout, "dtype": args.dtype, "reps": args.reps,
                "warmup": args.warmup, "shape": shape, "load_avg": load, "times": times, "indexer_s": indexer_s,
                "ratios": ratios, "bytes": bytes_, "peak_rss": [r["peak_rss"] for r in per_rank], "work": work,
+               "cpu_s": cpu,
                "memory": mem, "check_diff": check_diff,
                "check_against": f"dense_{(dense or ['latent'])[0]}"}
         B.report(res)

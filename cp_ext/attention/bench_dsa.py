@@ -204,13 +204,14 @@ def run_dense(x, shape, *, exchange, group, layout, mark=None):
 
 def counting(fn, sink):
     """``fn(mark=)`` as a call that appends (ring bytes fwd + bwd, the forward's query-key pairs), counted at the
-    call sites, to ``sink`` each time (the timed runs count themselves: a 32K run has no time for another)."""
+    call sites, and this process's CPU seconds to ``sink`` each time (the timed runs count themselves: a 32K run
+    has no time for another; CPU seconds are the work's measure that a shared, oversubscribed box leaves alone)."""
 
     def call():
-        pairs = []
+        pairs, cpu0 = [], time.process_time()
         with count_comm() as c, count_work() as w:
             fn(mark=lambda: pairs.append(w.bytes["pairs"]))
-        sink.append({"bytes": c.bytes["ring_p2p"], "pairs": pairs[0]})
+        sink.append({"bytes": c.bytes["ring_p2p"], "pairs": pairs[0], "cpu_s": time.process_time() - cpu0})
 
     return call
 
@@ -244,7 +245,8 @@ def report(res):
         print(f"  of which the indexer's top-k {median(res['indexer_s']):.2f} s")
     for name, ratio in res["ratios"].items():
         print(f"  dsa / {name}: {ratio['median']:.3f} (median of paired reps: "
-              f"{' '.join(f'{v:.3f}' for v in ratio['per_rep'])})")
+              f"{' '.join(f'{v:.3f}' for v in ratio['per_rep'])}); CPU seconds (all ranks) {ratio['cpu']:.3f}")
+    print(f"  CPU seconds per call, all ranks: {' '.join(f'{n} {median(v):.1f}' for n, v in res['cpu_s'].items())}")
     print("ring bytes sent per rank (fwd + bwd), counted at the call sites vs formula:")
     for name, c in res["bytes"].items():
         print(f"  {name:13s} {c['counted']:>14d} (formula {c['formula']:>14d} = fwd {c['formula_fwd']} + bwd "

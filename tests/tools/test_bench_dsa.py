@@ -49,7 +49,8 @@ def test_times_and_ratios(bench):
     assert set(res["times"]) == {"dsa", "dense_latent", "dense_kv"}
     assert all(len(ts) == 2 and all(t > 0 for t in ts) for ts in res["times"].values())
     assert set(res["ratios"]) == {"dense_latent", "dense_kv"}
-    assert all(r["median"] > 0 and len(r["per_rep"]) == 2 for r in res["ratios"].values())
+    assert all(r["median"] > 0 and r["cpu"] > 0 and len(r["per_rep"]) == 2 for r in res["ratios"].values())
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in res["cpu_s"].values())
     assert len(res["indexer_s"]) == 2 and all(t > 0 for t in res["indexer_s"])
     assert len(res["peak_rss"]) == C and all(v > 0 for v in res["peak_rss"])
     assert "dsa / dense_latent:" in stdout
