@@ -21,9 +21,13 @@ everything else (``per_token`` pairs' worth of work per token), over c: `CostMod
 ``balanced_schedule`` (cp_ext's) balances that cost over ranks within every microbatch (longest-processing-
 time first over all microbatches at once, each document on the smallest group size that divides the ranks and
 holds it, between the fewest microbatches the token budget allows and twice that), then lets groups with idle
-ranks beside them grow onto them where that lowers their ranks' work. Megatron's own (power-of-two sizes, cost
-L^2 / c only, one microbatch at a time) is not in the megatron-core releases cp_ext supports (0.16-0.19 have
-only V1's per-document schedule); the runtime and the benchmark against it are issue #38's next steps.
+ranks beside them grow onto them where that lowers their ranks' work. `megatron_schedule` is megatron's
+dev-branch algorithm (power-of-two sizes, cost L^2 / c only, one microbatch at a time), re-implemented for the
+comparison: the megatron-core releases cp_ext supports (0.16-0.19) ship only V1's per-document schedule.
+On Megatron's example mix (lognormal mean 1024, sigma 1.5, 128-8192 tokens, M 2048) under this module's cost
+with per_token 512 and exchange 256, the modelled step against every document at full CP: 4 ranks cp_ext 1.18,
+megatron's 1.16; 8 ranks 1.54 and 1.50 (16 ranks on a 1K-128K mix: 1.15 and 1.20: work to do).
+The runtime, the benchmark tool and the tuning are issue #38's next steps.
 """
 
 import math
@@ -232,3 +236,106 @@ def _grow_into_idle_ranks(placer, k, sizes):
         for r in g.ranks:
             placer.owner[k][r] = g
             placer.load[k][r] = sum(placer.cost.work(placer.lengths[d], c) for d in g.documents)
+
+
+def megatron_schedule(lengths: Sequence[int], world: int, max_tokens_per_rank: int, min_size: int = 1,
+                      delta: float = 0.05) -> Schedule:
+    """megatron's dynamic-CP plan, for comparison: Megatron-LM dev's ``DefaultDynamicCPScheduler``
+    (``next_hdp_group_packing_aware``, megatron/core/datasets/data_schedule_utils.py), re-implemented here as its
+    source reads; the supported megatron-core releases do not ship it. One microbatch at a time: the longest
+    remaining document opens it on ranks [0, c) with c its power of two (``2 ** ceil(log2(L / M))``, at least
+    ``min_size``); each next one, longest first, takes the placement among its size and every larger power of
+    two (joining a group of that size with token room, or a new group on the first free ranks) that keeps the
+    microbatch's most loaded rank lowest, cost L^2 / c, if that stays within (1 + delta) x longest x M; the
+    rest wait for the next microbatch. Idle ranks: the first smallest group doubles onto them (the groups
+    after it shift), or, failing that, the microbatch becomes one group of all ranks."""
+    sizes = group_sizes(world, min_size, power_of_two=True)
+    for i, n in enumerate(lengths):
+        size_needed(n, max_tokens_per_rank, sizes, i)
+
+    def needed(n):
+        return max(min_size, 2 ** max(0, math.ceil(math.log2(n / max_tokens_per_rank))))
+
+    remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable, as Python's sorted is there
+    microbatches = []
+    while remaining:
+        groups, remaining = _megatron_microbatch(lengths, remaining, world, max_tokens_per_rank, needed, delta)
+        microbatches.append(Microbatch(groups))
+    return Schedule(world, list(lengths), microbatches)
+
+
+def _megatron_microbatch(lengths, order, world, budget, needed, delta):
+    work = lambda n, c: n * n / c  # noqa: E731
+    cap = lengths[order[0]] * budget * (1 + delta)
+    members, docs, packed = [], [], []  # per group: ranks (ascending), documents, tokens per rank
+    exec_times, owner = [0.0] * world, [None] * world
+
+    def add(g, doc, c):
+        docs[g].append(doc)
+        packed[g] += lengths[doc] / c
+        for r in members[g]:
+            exec_times[r] += work(lengths[doc], c)
+
+    def new(ranks, doc, c):
+        members.append(list(ranks)), docs.append([]), packed.append(0.0)
+        for r in ranks:
+            owner[r] = len(members) - 1
+        add(len(members) - 1, doc, c)
+
+    new(range(needed(lengths[order[0]])), order[0], needed(lengths[order[0]]))
+    leftovers = []
+    for doc in order[1:]:
+        n, best, c = lengths[doc], None, needed(lengths[doc])
+        while c <= world:
+            for g in range(len(members)):
+                if len(members[g]) == c and packed[g] + n / c <= budget:
+                    proj = max(t + (work(n, c) if owner[r] == g else 0.0) for r, t in enumerate(exec_times))
+                    if proj <= cap and (best is None or proj < best[0]):
+                        best = (proj, c, g, None)
+            free = [r for r in range(world) if owner[r] is None]
+            if len(free) >= c:
+                chosen = sorted(free, key=lambda r: exec_times[r])[:c]
+                proj = max(t + (work(n, c) if r in chosen else 0.0) for r, t in enumerate(exec_times))
+                if proj <= cap and (best is None or proj < best[0]):
+                    best = (proj, c, None, chosen)
+            c *= 2
+        if best is None:
+            leftovers.append(doc)
+        elif best[2] is not None:
+            add(best[2], doc, best[1])
+        else:
+            new(best[3], doc, best[1])
+    while any(o is None for o in owner):
+        if not _megatron_double_smallest(members, owner, world):
+            selected, tokens, leftovers = [], 0.0, []
+            for doc in order:  # megatron's fallback: the microbatch as one group of all ranks
+                if tokens + lengths[doc] / world <= budget:
+                    selected.append(doc)
+                    tokens += lengths[doc] / world
+                else:
+                    leftovers.append(doc)
+            return [Group(0, world, selected, sum(lengths[d] for d in selected))], leftovers
+    groups = [Group(m[0], len(m), d, sum(lengths[x] for x in d)) for m, d in zip(members, docs)]
+    return sorted(groups, key=lambda g: g.first), leftovers
+
+
+def _megatron_double_smallest(members, owner, world) -> bool:
+    """megatron's ``fill_empty_gpus_once``: the first group of the smallest size doubles (to at most all ranks),
+    the groups after it move up by what it took; idle ranks are the tail."""
+    empty = owner.index(None)
+    smallest = min(len(m) for m in members)
+    grow = min(2 * smallest, world) - smallest
+    for g, m in enumerate(members):
+        if len(m) != smallest or m[-1] + 1 > empty or m[-1] + grow >= world:
+            continue
+        end = m[-1]
+        for other in members:
+            if other is not m and min(other) > end:
+                other[:] = [r + grow for r in other]
+        m[:] = list(range(m[0], end + grow + 1))
+        owner[:] = [None] * world
+        for gi, mm in enumerate(members):
+            for r in mm:
+                owner[r] = gi
+        return True
+    return False

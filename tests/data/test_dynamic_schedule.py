@@ -77,3 +77,22 @@ def test_balanced_and_faster_than_every_document_at_full_cp():
     full_cp = sum(COST.work(n, 4) for n in lengths)
     assert full_cp / step >= 1.1, full_cp / step
     assert max(per_rank) / (sum(per_rank) / 4) <= 1.05
+
+
+def test_megatron_schedule_pinned_case_and_invariants():
+    """The comparison's port of megatron's dev-branch scheduler: its own unit test's case (6144 and 2048 tokens,
+    2 ranks, M 4096: one CP2 group runs both, test_sequence_packing.py), and its invariants on a lognormal batch:
+    every document once, power-of-two groups, no idle rank, the token budget."""
+    from cp_ext.data.dynamic_schedule import megatron_schedule
+
+    plan = megatron_schedule([6144, 2048], 2, 4096)
+    assert [[(g.first, g.size, g.documents) for g in mb.groups] for mb in plan.microbatches] == [[(0, 2, [0, 1])]]
+    lengths = lognormal_batch(3, tokens=16 * 8192)
+    plan = megatron_schedule(lengths, 8, 2048)
+    seen = []
+    for mb in plan.microbatches:
+        assert sorted(r for g in mb.groups for r in g.ranks) == list(range(8))
+        for g in mb.groups:
+            assert g.size & (g.size - 1) == 0 and g.tokens / g.size <= 2048
+            seen += g.documents
+    assert sorted(seen) == list(range(len(lengths)))
