@@ -55,11 +55,10 @@ RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "tp2sp_cp2": (4, TP2SP + CP2, "cp1"),
     "tp2sp_cp2_sparse": (4, TP2SP + CP2 + SPARSE, "cp1_sparse"),
     "cp2_ring_up_proj": (2, CP2 + UP_PROJ, "cp1"),
-    "tp2sp_cp2_up_proj": (4, TP2SP + CP2 + UP_PROJ, "cp1"),
 }
 # --recompute-modules mla_up_proj: the query and the latent key dropped after the forward and recomputed in the
 # backward; bit-identical to the same grid without it
-UP_PROJ_TWINS = {"cp2_ring_up_proj": "cp2_ring", "tp2sp_cp2_up_proj": "tp2sp_cp2"}
+UP_PROJ_TWINS = {"cp2_ring_up_proj": "cp2_ring"}  # TP2 + SP x CP2: tests/training/test_recompute.py
 # V3.2's dense warm-up (--dsa-dense-warmup): dense attention, only the indexer trains; against CP = 1's warm-up,
 # and its first forward against the same model without DSA (MLA alone: the same weights but the indexer's,
 # which layout-invariant init draws by name), which dense attention must equal.

@@ -67,22 +67,18 @@ GRIDS = {
 }
 # --recompute-modules mla_up_proj on DeepSeek-V3's attention (tests/training/test_grid_equivalence.py's MLA flags),
 # against the same MLA model without it, on the grids of its three paths: CP1's local attention, the CP2 launch's
-# latent ring, --cp-mla-exchange kv (megatron's own projections, as under Ulysses) and all-gathered latent, and MLA's
-# TP projections (TP2 + SP x CP2). The recompute redoes the same ops on the same inputs, so
+# latent ring and --cp-mla-exchange kv (megatron's own projections, as under Ulysses), and MLA's TP projections
+# (TP2 + SP x CP2); the all-gathered latent takes the ring's projections. The recompute redoes the same ops on the same inputs, so
 # the gradients must be bit-identical (tolerance 0), and megatron's recompute hook must have run.
 MLA_FLAGS = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12",
              "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
              "--rotary-scaling-factor", "4", "--mscale-all-dim", "1.0"]
 UP_PROJ = ["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]
 MLA_RUNS = {"mla_none": [], "mla_up_proj": UP_PROJ}
-MLA_EXTRA_RUNS = {
-    "mla_kv_none": ["--cp-mla-exchange", "kv"], "mla_kv_up_proj": ["--cp-mla-exchange", "kv"] + UP_PROJ,
-    "mla_all_gather_none": ["--cp-comm-type", "all_gather"],
-    "mla_all_gather_up_proj": ["--cp-comm-type", "all_gather"] + UP_PROJ,
-}
+MLA_EXTRA_RUNS = {"mla_kv_none": ["--cp-mla-exchange", "kv"], "mla_kv_up_proj": ["--cp-mla-exchange", "kv"] + UP_PROJ}
 MLA_PAIRS = [("mla_up_proj", "mla_none")]
 MLA_GRIDS = ("cp1", "cp2_ring", "tp2cp2_ep2")
-MLA_EXTRA_PAIRS = [("mla_kv_up_proj", "mla_kv_none"), ("mla_all_gather_up_proj", "mla_all_gather_none")]
+MLA_EXTRA_PAIRS = [("mla_kv_up_proj", "mla_kv_none")]
 
 # Packed documents (the document plan is made in the first forward and reused by the replay's
 # backward), on every grid; on the CP2 launch also with all_gather attention. Data: short documents.
