@@ -13,12 +13,62 @@ parameterised by ``(rank, size)`` of the group the sequence is sharded over (the
 group for pure ring attention, the ring sub-group for the Ulysses x ring hybrid).
 """
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 LAYOUTS = ("zigzag", "contiguous")
+
+
+@dataclass(frozen=True)
+class DocumentZigzag:
+    """Dynamic CP's layout (issue #38): a sequence of whole documents, each zigzagged over the group on its own.
+
+    Document ``d`` of ``lengths[d]`` tokens (a multiple of ``2 * size``) is cut into ``2 * size`` chunks and
+    rank ``r`` holds chunks ``r`` and ``2 * size - 1 - r`` of every document, in sequence order::
+
+        size 2, lengths (8, 4):   doc 0 | 0 1 | 2 3 | 4 5 | 6 7 |   doc 1 | 8 | 9 | 10 | 11 |
+        rank 0: 0 1 6 7 8 11      rank 1: 2 3 4 5 9 10
+
+    So every rank of the group gets the same share of every document's causal work (the plain zigzag
+    over the whole sequence balances one document, not several of different lengths), and along each
+    rank's rows the positions still increase, which the document masks rely on
+    (`cp_ext.attention.documents`). Hashable by its lengths: the ring's per-layout plans cache on it.
+    """
+
+    lengths: Tuple[int, ...]
+    size: int
+
+    def __post_init__(self):
+        bad = [(i, n) for i, n in enumerate(self.lengths) if n <= 0 or n % (2 * self.size)]
+        if self.size < 1 or bad:
+            raise ValueError(f"a per-document zigzag over {self.size} ranks needs every document's length to be a "
+                             f"positive multiple of 2 x {self.size}; documents (index, length) {bad[:4]} are not")
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths)
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """The global positions (in the group's sequence) rank ``rank`` holds, increasing."""
+        a, b = zigzag_chunk_ids(rank, self.size)
+        parts, start = [], 0
+        for n in self.lengths:
+            c = n // (2 * self.size)
+            parts += [torch.arange(start + a * c, start + (a + 1) * c), torch.arange(start + b * c, start + (b + 1) * c)]
+            start += n
+        return torch.cat(parts).to(device)
+
+
+Layout = Union[str, DocumentZigzag]
+
+
+def check_layout(layout) -> None:
+    """ValueError unless ``layout`` is one of `LAYOUTS` or a `DocumentZigzag`."""
+    if not isinstance(layout, DocumentZigzag) and layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS} (or a DocumentZigzag)")
 
 
 def check_seq_len(seq_len: int, size: int, layout: str = "zigzag") -> None:
@@ -91,7 +141,13 @@ def context_parallel_positions(
 
     ``ulysses_size == 1`` is the plain ring layout, ``ring_size == 1`` plain Ulysses
     (contiguous blocks). Shard any ``[.., s, ..]`` tensor with ``x.index_select(dim, positions)``.
+    A `DocumentZigzag` layout (dynamic CP, a ring of its group only) gives its own positions.
     """
+    if isinstance(layout, DocumentZigzag):
+        if ulysses_size != 1 or ring_size != layout.size or seq_len != layout.seq_len:
+            raise ValueError(f"a per-document zigzag of {layout.seq_len} tokens over {layout.size} ranks cannot lay out "
+                             f"{seq_len} tokens over a ring of {ring_size} x Ulysses {ulysses_size}")
+        return layout.positions(ring_rank, device=device)
     check_seq_len(seq_len, ring_size * ulysses_size if layout == "contiguous" else ring_size, layout)
     if layout == "zigzag":
         ring_shard = zigzag_positions(seq_len, ring_rank, ring_size, device=device) if ring_size > 1 else torch.arange(seq_len, device=device)

@@ -38,7 +38,7 @@ from cp_ext.attention.masks import make_window, plan_tile
 from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
 from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads
 from cp_ext.attention.utils import accum_dtype, add_sink, sink_grad
-from cp_ext.layout import LAYOUTS
+from cp_ext.layout import check_layout
 
 
 def _check_inputs(q, k, v, softmax_offset, up_weight=None):
@@ -71,8 +71,7 @@ class _Plan:
 
     def __init__(self, q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout, kernel,
                  document_ids, comm_type, window_size, all_gather_group=None, positions=None, up_weight=None):
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        check_layout(layout)
         make_window(window_size, causal)  # a malformed window fails here, before any exchange
         self.causal, self.layout, self.window_size = causal, layout, window_size
         self.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from cp_ext.attention.documents import gather_parts
 from cp_ext.attention.ring import ring_positions
 from cp_ext.attention.utils import RingComm, accum_dtype
-from cp_ext.layout import LAYOUTS
+from cp_ext.layout import check_layout
 
 MODES = ("ring", "all_gather")
 # One tile's [b, query_tile, H, key_tile] fp32 scores: 256 MiB at b = 1, H = 64.
@@ -130,8 +130,7 @@ def _score_block(state: RunningTopK, q, w, q_runs, k_block, key_positions: List[
 def _check(q, w, k, topk, q_positions, mode, layout, key_tile, query_tile):
     if mode not in MODES:
         raise ValueError(f"unknown indexer mode {mode!r}; choose one of {MODES}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout(layout)
     if q.dim() != 4 or w.shape != q.shape[:3] or k.dim() != 3 or k.shape[:2] != q.shape[:2] or k.shape[2] != q.shape[3]:
         raise ValueError(f"expected q [s, b, H, D], w [s, b, H], k [s, b, D]; got q {tuple(q.shape)}, "
                          f"w {tuple(w.shape)}, k {tuple(k.shape)}")

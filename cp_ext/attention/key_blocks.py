@@ -24,7 +24,7 @@ from cp_ext.attention.all_gather import reduce_scatter_single
 from cp_ext.attention.documents import gather_parts
 from cp_ext.attention.ring import ring_positions
 from cp_ext.attention.utils import RingComm
-from cp_ext.layout import LAYOUTS
+from cp_ext.layout import check_layout
 from cp_ext.perf.counter import WORK_COUNTER
 
 MODES = ("ring", "all_gather")
@@ -82,8 +82,7 @@ class KeyPlan:
                  query_tile: int):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+        check_layout(layout)
         if query_tile < 1:
             raise ValueError(f"query_tile ({query_tile}) must be >= 1")
         self.size = 1 if group is None else dist.get_world_size(group)

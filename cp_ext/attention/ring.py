@@ -66,7 +66,7 @@ from cp_ext.attention.kernels import AttnKernel, get_kernel
 from cp_ext.attention.kv_message import PairedKV
 from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
 from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
-from cp_ext.layout import LAYOUTS, check_seq_len, context_parallel_positions
+from cp_ext.layout import check_layout, check_seq_len, context_parallel_positions
 from cp_ext.perf.counter import WORK_COUNTER
 
 class RingSchedule:
@@ -136,8 +136,7 @@ def _count(blocks):
 
 
 def _check_local(q, k, v, size, layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    check_layout(layout)
     if v is None:  # k is MLA's latent message [b, 1, s, r + p] (`cp_ext.attention.kv_message.LatentKV`)
         if k.dim() != 4 or k.shape[1] != 1 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
             raise ValueError(f"expected the latent [b, 1, s, r + p] beside q {tuple(q.shape)}, got {tuple(k.shape)}")

@@ -74,7 +74,11 @@ def full_document_ids(name, seed=0):
     return torch.tensor(rows, dtype=torch.int64)
 
 
-VARIANTS = ("ring2", "ring4", "ring4_contiguous", "ulysses2", "ulysses4", "hybrid_u2r2", "all_gather2", "all_gather4", "all_gather_u2r2")
+VARIANTS = ("ring2", "ring4", "ring4_contiguous", "ulysses2", "ulysses4", "hybrid_u2r2", "all_gather2", "all_gather4", "all_gather_u2r2",
+            "doc_zigzag2", "doc_zigzag4", "all_gather_doc_zigzag4")
+# Dynamic CP's layout (`cp_ext.layout.DocumentZigzag`): each of these documents zigzagged over the group on its
+# own. The masks follow the ids whatever they are, so every distribution runs on it (causal: what dynamic CP trains).
+DOC_ZIGZAG = {2: (4, 12, 20, 28), 4: (8, 24, 16, 16)}
 
 
 def _cases():
@@ -83,9 +87,11 @@ def _cases():
         for dist_name in DISTRIBUTIONS:
             if dist_name == "none" and not variant.startswith("all_gather"):
                 continue
+            if "doc_zigzag" in variant and (dist_name in ("none", "singletons", "short")):
+                continue
             for causal in (True, False):
                 for gqa in (False, True):
-                    if not causal and dist_name not in ("random", "pad_negative", "none"):
+                    if not causal and (dist_name not in ("random", "pad_negative", "none") or "doc_zigzag" in variant):
                         continue  # full attention: two distributions are enough
                     cases.append(dict(variant=variant, docs=dist_name, causal=causal, gqa=gqa, dtype="fp32"))
     cases += [dict(variant=v, docs="random", causal=True, gqa=True, dtype="fp64") for v in ("ring4", "ring4_contiguous", "ulysses4", "hybrid_u2r2", "all_gather4", "all_gather_u2r2")]
@@ -135,8 +141,11 @@ def reference(q, k, v, dout, ids, causal, dtype):
 
 
 def _positions(variant, rank):
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.layout import DocumentZigzag, context_parallel_positions
 
+    if "doc_zigzag" in variant:
+        size = int(variant[-1])
+        return DocumentZigzag(DOC_ZIGZAG[size], size).positions(rank % size)
     if variant in ("hybrid_u2r2", "all_gather_u2r2"):  # Ulysses [0, 1] [2, 3], rings [0, 2] [1, 3]
         return context_parallel_positions(S, ring_rank=rank // 2, ring_size=2, ulysses_rank=rank % 2, ulysses_size=2)
     if variant == "ring4_contiguous":
@@ -149,6 +158,7 @@ def _positions(variant, rank):
 
 def _attn(case, groups, rank, ids_local, positions):
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
+    from cp_ext.layout import DocumentZigzag
 
     v, kw = case["variant"], dict(causal=case["causal"], document_ids=None if case["docs"] == "none" else ids_local)
     if v == "ring4_contiguous":
@@ -159,6 +169,11 @@ def _attn(case, groups, rank, ids_local, positions):
         return lambda q, k, v_: ulysses_attention(q, k, v_, group=groups[int(v[-1])], **kw)
     if v == "hybrid_u2r2":
         return lambda q, k, v_: hybrid_attention(q, k, v_, ulysses_group=groups[2], ring_group=groups["ring"][rank % 2], **kw)
+    if v.startswith("doc_zigzag"):
+        size = int(v[-1])
+        return lambda q, k, v_: ring_attention(q, k, v_, group=groups[size], layout=DocumentZigzag(DOC_ZIGZAG[size], size), **kw)
+    if v == "all_gather_doc_zigzag4":
+        return lambda q, k, v_: all_gather_attention(q, k, v_, group=groups[4], positions=positions, **kw)
     if v == "all_gather_u2r2":
         return lambda q, k, v_: all_gather_attention(q, k, v_, group=groups[4], positions=positions, **kw)
     return lambda q, k, v_: all_gather_attention(q, k, v_, group=groups[int(v[-1])], **kw)
@@ -282,6 +297,7 @@ MERGES = {  # T of the bound: the partial results one query row merges
     "ring2": 2, "ring4": 4, "ring4_contiguous": 4,  # ring steps
     "ulysses2": 1, "ulysses4": 1, "hybrid_u2r2": 2,  # one local call; the hybrid's ring of 2
     "all_gather2": 4, "all_gather4": 8, "all_gather_u2r2": 8,  # a query run meets <= 2 key runs per rank
+    "doc_zigzag2": 2, "doc_zigzag4": 4, "all_gather_doc_zigzag4": 8,  # a document's 8 chunks at most
 }
 
 
