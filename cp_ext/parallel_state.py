@@ -17,7 +17,7 @@ for the ring, U = C for Ulysses) megatron's CP group object is reused.
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -34,6 +34,8 @@ class _ContextParallelState:
 
 
 _STATE: Optional[_ContextParallelState] = None
+# Dynamic CP's groups (issue #38), built on demand by `initialize_dynamic_context_parallel`.
+_DYNAMIC: Optional["_DynamicGroups"] = None
 # What leaving the grid must also release: objects built on its groups that Python's garbage
 # collector cannot free alone (`on_grid_destroy`).
 _ON_DESTROY: List[Callable[[], None]] = []
@@ -99,8 +101,8 @@ def initialized_grid():
 def destroy_context_parallel() -> None:
     """Forget the sub-groups (megatron's destroy_model_parallel / destroy_process_group frees them),
     and release what was built on them (`on_grid_destroy`)."""
-    global _STATE
-    _STATE = None
+    global _STATE, _DYNAMIC
+    _STATE = _DYNAMIC = None
     while _ON_DESTROY:
         _ON_DESTROY.pop()()
 
@@ -192,3 +194,91 @@ def get_context_parallel_positions(seq_len: int, layout: str = "zigzag", device=
         seq_len, ring_rank=get_ring_rank(), ring_size=get_ring_world_size(),
         ulysses_rank=get_ulysses_rank(), ulysses_size=get_ulysses_world_size(), layout=layout, device=device,
     )
+
+
+@dataclass
+class _DynamicGroups:
+    sizes: Tuple[int, ...]
+    rank: int  # this rank's index in its DP x CP rank list
+    world: int  # DP x CP
+    groups: Dict[Tuple[int, int], Optional[dist.ProcessGroup]]  # (first, size) -> group, this rank's blocks
+    router_groups: Dict[Tuple[int, int], dist.ProcessGroup]  # (first, size) -> the block's ranks x TP
+
+
+def initialize_dynamic_context_parallel(sizes: Sequence[int], timeout: Optional[timedelta] = None) -> None:
+    """Dynamic CP's groups (collective, all ranks): for each size in ``sizes``, the aligned blocks of that
+    many consecutive ranks of every DP x CP rank list, ``dp_cp[first:first + size]`` with ``first % size == 0``.
+
+    megatron-core's rule (``create_hybrid_dp_cp_groups``, 0.16-0.19), which builds the powers of two from 2 to
+    half the ranks; here any size that divides DP x CP (`cp_ext.data.dynamic_schedule.group_sizes`). A block
+    that is the whole DP x CP list reuses megatron's DP x CP group, one that is a CP group megatron's CP
+    group; size 1 needs none (no communication). Each block also gets the group of its ranks' TP ranks, the
+    router's reduce group (megatron's ``tp_cp`` for a static CP group), reused the same way. Every rank
+    creates every group, in one order."""
+    global _DYNAMIC
+    from megatron.core import parallel_state as mpu
+
+    _state()
+    mine = dist.get_process_group_ranks(mpu.get_data_parallel_group(with_context_parallel=True))
+    if _DYNAMIC is not None and _DYNAMIC.sizes == tuple(sizes) and _DYNAMIC.world == len(mine):
+        return
+    reused = {  # megatron's groups a block's group may equal: (this rank's ranks, the group)
+        "dp_cp": mpu.get_data_parallel_group(with_context_parallel=True),
+        "cp": mpu.get_context_parallel_group(),
+        "tp": mpu.get_tensor_model_parallel_group(),
+        "tp_cp": mpu.get_tensor_and_context_parallel_group(),
+        "tp_dp_cp": mpu.get_tensor_and_data_parallel_group(with_context_parallel=True),
+    }
+    ranks_of = {name: tuple(dist.get_process_group_ranks(group)) for name, group in reused.items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ranks_of)  # in global rank order
+    known = {}  # ranks -> the name of the megatron group with exactly those ranks (on its members)
+    for entry in gathered:
+        for name, ranks in entry.items():
+            known.setdefault(ranks, name)
+    tp_of = dict(enumerate(entry["tp"] for entry in gathered))
+
+    def group(ranks, desc):  # the same decision on every rank: reuse, or every rank creates
+        if ranks in known:
+            return reused[known[ranks]] if dist.get_rank() in ranks else None
+        return mpu.create_group(ranks=list(ranks), timeout=timeout, group_desc=desc)
+
+    groups, router_groups, made = {}, {}, {}
+    for ranks in sorted({entry["dp_cp"] for entry in gathered}):
+        for size in sizes:
+            for first in range(0, len(ranks), size):
+                block = ranks[first:first + size]
+                with_tp = tuple(sorted(r for b in block for r in tp_of[b]))
+                if with_tp not in made:
+                    made[with_tp] = group(with_tp, f"DYNAMIC_TP_DP_CP_GROUP_{size}")
+                cp_group = None if size == 1 else group(block, f"DYNAMIC_DP_CP_GROUP_{size}")
+                if ranks == tuple(mine) and dist.get_rank() in block:
+                    groups[(first, size)], router_groups[(first, size)] = cp_group, made[with_tp]
+    _DYNAMIC = _DynamicGroups(tuple(sizes), mine.index(dist.get_rank()), len(mine), groups, router_groups)
+
+
+def _dynamic() -> _DynamicGroups:
+    if _DYNAMIC is None:
+        raise RuntimeError("dynamic CP's groups are not built; call initialize_dynamic_context_parallel(sizes)")
+    return _DYNAMIC
+
+
+def get_dynamic_group(first: int, size: int) -> Optional[dist.ProcessGroup]:
+    """The group of the ``size`` DP x CP ranks from ``first`` this rank belongs to (None for size 1)."""
+    state = _dynamic()
+    if (first, size) not in state.groups:
+        raise ValueError(f"rank {state.rank} of DP x CP is not in the block of {size} ranks from {first} "
+                         f"(sizes built: {state.sizes})")
+    return state.groups[(first, size)]
+
+
+def get_dynamic_router_group(first: int, size: int) -> dist.ProcessGroup:
+    """The block's ranks with their TP ranks: where megatron's router reduces its expert counts (its
+    ``tp_cp`` group under static CP)."""
+    get_dynamic_group(first, size)  # the same check
+    return _dynamic().router_groups[(first, size)]
+
+
+def get_dynamic_rank() -> int:
+    """This rank's index among its DP x CP ranks (what dynamic CP's schedule places work on)."""
+    return _dynamic().rank
