@@ -110,7 +110,10 @@ def build_train_dataset(args, num_samples=None) -> TrainDataset:
     """The train split for `args`, ``num_samples`` long (default: --train-iters x --global-batch-size;
     a resumed run passes what it still needs, see `cp_ext.training.trainer`). Collective when
     torch.distributed is initialized."""
-    return build_split_dataset(args, "train", num_samples or args.train_iters * args.global_batch_size)
+    num_samples = num_samples or args.train_iters * args.global_batch_size
+    if getattr(args, "dynamic_context_parallel", False):
+        return build_document_samples(args, num_samples)
+    return build_split_dataset(args, "train", num_samples)
 
 
 def build_eval_dataset(args, split) -> TrainDataset:
@@ -141,6 +144,23 @@ def data_vocab_size(args) -> int:
 
         return PasskeyDataset(args.seq_length, 1, args.data_seed).vocab_size
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+
+
+def build_document_samples(args, num_samples):
+    """Dynamic CP's train samples: one whole document each (`cp_ext.data.variable_length`), from --data-path's
+    prefixes (or the embedded corpus), --split's train share."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+    )
+
+    from cp_ext.data.embedded import default_cache_dir, embedded_prefix
+    from cp_ext.data.variable_length import DocumentSamples
+
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    prefixes = parse_blend(args.data_path)[0] if args.data_path else [embedded_prefix(args.data_cache_path or default_cache_dir())]
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))[0]
+    return DocumentSamples(prefixes, bounds, args.seq_length, args.data_seed, num_samples, eod=tokenizer.eod,
+                           eod_mask_loss=args.eod_mask_loss, vocab_size=args.vocab_size or tokenizer.vocab_size)
 
 
 def build_split_dataset(args, split, num_samples) -> TrainDataset:
