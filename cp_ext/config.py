@@ -106,8 +106,8 @@ def aux_loss_layout_factor(args):
     without this, 4e-7 with it. From 0.19 the router multiplies by the TP x CP size itself
     (`cp_ext.megatron_compat.ROUTER_SCALES_AUX_LOSS_BY_TP_CP`), and scaling again would double it.
     """
-    if ROUTER_SCALES_AUX_LOSS_BY_TP_CP:
-        return 1
+    if ROUTER_SCALES_AUX_LOSS_BY_TP_CP or getattr(args, "dynamic_context_parallel", False):
+        return 1  # dynamic CP: per microbatch, from its group (`cp_ext.transformer.dynamic_cp.DynamicRouting`)
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     return tp * args.context_parallel_size
 
@@ -119,7 +119,11 @@ def aux_loss_layout_factor(args):
 _NOT_COPIED = {"attention_backend", "cp_comm_type", "hierarchical_context_parallel_sizes", "moe_grouped_gemm",
                "moe_layer_recompute", "transformer_impl", "attention_softmax_in_fp32", "rope_type", "window_size",
                "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_ffn_hidden_size", "cp_aware_recompute",
-               "experimental_attention_variant"}
+               "experimental_attention_variant",
+               # dynamic CP runs on cp_ext's schedule and groups (`cp_ext.training.dynamic_batches`): megatron's config
+               # must not see it, or its schedule would switch to megatron-core 0.16-0.19's hybrid-CP loop
+               "hybrid_context_parallel", "dynamic_context_parallel", "max_seqlen_per_dp_cp_rank",
+               "min_dynamic_context_parallel_size", "sequence_packing_scheduler", "calculate_per_token_loss"}
 
 
 def _one_to_one_fields(config_class, args):

@@ -245,6 +245,16 @@ def reduced_moe_losses(average_over=None):
     return {name: entry.values for name, entry in tracker.metrics.items()}
 
 
+def local_moe_losses():
+    """Each tracked MoE loss's per-layer sums on this rank alone, unreduced: {name: values tensor}."""
+    tracker = _tracker_object()
+    if tracker is None:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    return {name: entry.values for name, entry in tracker.metrics.items()}
+
+
 def zero_moe_loss_tracker():
     """Zero the tracked values after they were read (the entries stay)."""
     tracker = _tracker_object()

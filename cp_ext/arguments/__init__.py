@@ -32,6 +32,7 @@ from cp_ext.arguments.data import add_data_args, data_problems, evaluation_split
 from cp_ext.arguments.checkpointing import (
     MODEL_ARG_GROUPS, NOT_MODEL_ARGS, UNLESS_GIVEN, add_checkpoint_args, apply_checkpoint_args, checkpoint_flag_problems,
 )
+from cp_ext.arguments.dynamic_cp import dynamic_cp_problems, fill_dynamic_cp_defaults
 from cp_ext.arguments.implementations import add_implementation_args, modelopt_flags, modelopt_problem
 from cp_ext.arguments.logging import add_logging_args, logging_problems
 from cp_ext.arguments.moe import add_moe_args, fill_moe_defaults, moe_problems
@@ -93,6 +94,7 @@ def _fill_derived(args):
     fill_parallel_defaults(args)
     fill_training_defaults(args)
     fill_attention_defaults(args)
+    fill_dynamic_cp_defaults(args)
     if args.use_flash_attn and args.attention_backend == "auto" and not runs_on_cpu(args):
         args.attention_kernel = "flash"  # Megatron-LM's legacy --use-flash-attn, where a flash kernel runs
     if args.log_dir is None:  # read by rank 0 only (metrics.jsonl, config.yaml, wandb)
@@ -112,7 +114,7 @@ def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = parallel_problems(args) + network_problems(args) + moe_problems(args)
     p += attention_problems(args) + training_problems(args) + data_problems(args) + checkpoint_flag_problems(args)
-    p += logging_problems(args)
+    p += logging_problems(args) + dynamic_cp_problems(args)
     if (args.load or args.save or args.finetune) and not p:
         from cp_ext.checkpoint.checks import checkpoint_problems
 

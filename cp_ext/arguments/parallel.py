@@ -1,6 +1,7 @@
 """Parallelism flags (Megatron-LM's spelling): the TP x PP x CP x DP (x EP) grid, how the CP group
 splits into Ulysses x ring (--cp-comm-type, --ulysses-size), the device, and the grid's rules."""
 
+from cp_ext.arguments.dynamic_cp import add_dynamic_cp_args
 from cp_ext.flag_types import POSITIVE
 from cp_ext.grid import Grid
 
@@ -40,6 +41,7 @@ def add_parallel_args(parser):
                    help="auto: CUDA+NCCL when a GPU is visible, else CPU+gloo; cuda: an error at parse time when "
                         "CUDA is not usable; cpu: also on a GPU host (torch's optimizer, no TE/apex kernels)")
     g.add_argument("--distributed-timeout-minutes", type=POSITIVE, default=10)
+    add_dynamic_cp_args(g)
 
 
 def _resolve_cp_comm_types(args):

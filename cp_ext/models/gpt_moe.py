@@ -55,6 +55,7 @@ from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import dsa_core_attention_spec
+from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
 from cp_ext.transformer.experts import ExpertColumnParallelLinear, ExpertRowParallelLinear
 from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
@@ -106,6 +107,7 @@ class ContextParallelGPTModel(GPTModel):
     def __init__(self, config: TransformerConfig, *, cp_layout: str, batch_position_ids: bool = False, **kwargs):
         super().__init__(config, **kwargs)
         self.batch_position_ids = batch_position_ids
+        self._dynamic_routing = None  # built at the first dynamic-CP microbatch (`cp_ext.transformer.dynamic_cp`)
         if self.mtp_process and self.post_process and not self.pre_process and self.share_embeddings_and_output_weights:
             # The MTP stage's output head reads the tied weight from its copy of the embedding
             # (`shared_embedding_or_output_weight`), so megatron-core 0.16.1 allocates an output weight that
@@ -116,6 +118,12 @@ class ContextParallelGPTModel(GPTModel):
             self.rotary_pos_emb = RotaryAtContextParallelPositions(self.rotary_pos_emb, layout=cp_layout)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        dynamic = kwargs.get("packed_seq_params")
+        if isinstance(dynamic, DynamicCPParams):  # dynamic CP: the routers balance over this microbatch's group
+            if self._dynamic_routing is None:
+                self._dynamic_routing = DynamicRouting(self, self.config)
+            self._dynamic_routing.apply(dynamic)
+            kwargs["padding_mask"] = dynamic.padding_mask
         rotary = getattr(self, "rotary_pos_emb", None)
         if rotary is None or not self.batch_position_ids:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
@@ -148,7 +156,8 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
     model = ContextParallelGPTModel(
         config=config,
         cp_layout=config.cp_layout,
-        batch_position_ids=args.reset_position_ids,  # packed documents: RoPE at per-document positions
+        # packed documents, and dynamic CP's documents: RoPE at per-document positions
+        batch_position_ids=args.reset_position_ids or getattr(args, "dynamic_context_parallel", False),
         transformer_layer_spec=decoder_block,
         mtp_block_spec=get_mtp_block_spec(config, decoder_block, fill_seats),  # None without --mtp-num-layers
         vocab_size=padded_vocab_size,

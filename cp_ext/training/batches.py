@@ -39,6 +39,9 @@ class Microbatch:
     # [b, s/CP] int64, EODs before each token of the full sample; None unless --reset-attention-mask.
     # Passed where megatron passes its attention mask.
     document_ids: Optional[torch.Tensor] = None
+    # Dynamic CP (`cp_ext.training.dynamic_batches`): the microbatch's group and layout, in megatron's
+    # PackedSeqParams seat; None for static CP.
+    packed_seq_params: Optional[object] = None
 
 
 def global_batch_sample_ids(consumed_samples: int, global_batch_size: int, num_samples: int) -> np.ndarray:

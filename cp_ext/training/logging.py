@@ -12,6 +12,7 @@ import sys
 from datetime import timedelta
 
 from cp_ext.console import is_rank_0
+from cp_ext.training.metric_names import DYNAMIC_CP_PREFIX
 
 
 class IterationLog:
@@ -26,11 +27,13 @@ class IterationLog:
         self._reset()
 
     def _reset(self):
-        self.sums, self.count, self.elapsed = {}, 0, 0.0
+        self.sums, self.count, self.elapsed, self.tokens = {}, 0, 0.0, 0
 
     def record(self, iteration, consumed_samples, elapsed_s, metrics):
         self.count += 1
         self.elapsed += elapsed_s
+        # dynamic CP trains on the step's documents, a count of their own (no padding to --seq-length)
+        self.tokens += metrics.get(f"{DYNAMIC_CP_PREFIX}tokens", self.tokens_per_iteration)
         for key in metrics:
             if key.endswith(" loss"):
                 self.sums[key] = self.sums.get(key, 0.0) + metrics[key]
@@ -57,9 +60,15 @@ class IterationLog:
             parts.append(f"{key}: {self.sums[key] / self.count:.6E}")
         if metrics.get("grad norm") is not None:
             parts.append(f"grad norm: {metrics['grad norm']:.3f}")
+        dynamic = {k[len(DYNAMIC_CP_PREFIX):]: v for k, v in metrics.items() if k.startswith(DYNAMIC_CP_PREFIX)}
+        if dynamic:  # this iteration's plan (`cp_ext.training.dynamic_batches.StepPlan.metrics`)
+            sizes = " ".join(f"{k.rsplit(' ', 1)[1]}:{v}" for k, v in dynamic.items() if k.startswith("documents at size"))
+            parts.append(f"dynamic cp documents per size: {sizes}")
+            parts.append(f"dynamic cp work max/mean: {dynamic['work max/mean']:.3f}")
+            parts.append(f"dynamic cp K/V exchange vs static cp: {dynamic['exchange vs static']:.2f}x")
         if metrics.get("skipped"):
             parts.append("skipped iterations: 1")
-        parts.append(f"tokens per second: {self.tokens_per_iteration / max(per_iter, 1e-9):.1f}")
+        parts.append(f"tokens per second: {self.tokens / max(self.elapsed, 1e-9):.1f}")
         remaining = (args.train_iters - iteration) * per_iter
         parts.append(f"eta: {timedelta(seconds=round(remaining))}")
         return " | ".join(parts) + " |"

@@ -8,6 +8,7 @@ METRIC_KEYS = {
     "grad norm": "train/grad_norm",
     "learning rate": "train/learning_rate",
 }
+DYNAMIC_CP_PREFIX = "dynamic cp "
 LM_KEY = METRIC_KEYS["lm loss"]
 AUX_KEY = METRIC_KEYS["load balancing loss"]
 
@@ -17,4 +18,6 @@ def metric_key(name):
     megatron's router tracks (``z loss`` -> ``train/z_loss``, ``seq load balancing loss``, ...)."""
     if name in METRIC_KEYS:
         return METRIC_KEYS[name]
+    if name.startswith(DYNAMIC_CP_PREFIX):  # dynamic CP's plan (`cp_ext.training.dynamic_batches.StepPlan.metrics`)
+        return "train/" + name.replace("/", " over ").replace(" ", "_")
     return "train/" + name.replace(" ", "_") if name.endswith(" loss") else None

@@ -26,5 +26,8 @@ def forward_step(data_iterator, model):
     # attention reads an integer [b, s/CP] mask as document ids; None is plain causal attention.
     # The loss mask reaches the model for MTP's per-depth losses (megatron shifts it with the labels), as
     # Megatron-LM's pretrain_gpt passes it; without MTP megatron does not read it.
-    output = model(batch.tokens, batch.position_ids, batch.document_ids, labels=batch.labels, loss_mask=batch.loss_mask)
+    # Dynamic CP's group and layout ride in megatron's PackedSeqParams seat (`cp_ext.transformer.dynamic_cp`).
+    extra = {} if batch.packed_seq_params is None else {"packed_seq_params": batch.packed_seq_params}
+    output = model(batch.tokens, batch.position_ids, batch.document_ids, labels=batch.labels, loss_mask=batch.loss_mask,
+                   **extra)
     return output, partial(loss_func, batch.loss_mask)

@@ -35,7 +35,7 @@ from cp_ext.console import print_rank_0
 from cp_ext.data.datasets import build_eval_dataset, build_train_dataset, data_vocab_size
 from cp_ext.grid import initialize_distributed
 from cp_ext.megatron_version import versions_line
-from cp_ext.megatron_compat import reduced_moe_losses, zero_moe_loss_tracker
+from cp_ext.megatron_compat import local_moe_losses, reduced_moe_losses, zero_moe_loss_tracker
 from cp_ext.models.factory import build_model_stack, padded_vocab
 from cp_ext.models.mtp import MTPLosses
 from cp_ext.platform import memory_bytes, platform_is_cpu, setup_platform
@@ -115,6 +115,17 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
+        # Dynamic CP (--dynamic-context-parallel): every document on a group of the DP x CP ranks sized by its length;
+        # the microbatches come from the step's schedule (`cp_ext.training.dynamic_batches`).
+        self.dynamic = None
+        if args.dynamic_context_parallel:
+            from datetime import timedelta
+
+            from cp_ext.training.dynamic_batches import DynamicCP
+
+            self.dynamic = DynamicCP.from_args(args, world=self.dp_size * args.context_parallel_size)
+            cp_state.initialize_dynamic_context_parallel(self.dynamic.sizes,
+                                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
         # The tokens of every sample this CP rank holds (all of them when CP = 1).
         self.cp_positions = cp_state.get_context_parallel_positions(args.seq_length, self.config.cp_layout)
         # The stages that read tokens: the first (it embeds them) and, with MTP, the last (megatron builds the
@@ -133,18 +144,12 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        data = microbatches(
-            self.dataset, consumed_samples=self.consumed_samples, global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-            device=self.device, positions=self.cp_positions,
-            first_stage=self.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
-            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        )
+        data, num_microbatches = self._step_data()
         reports = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=data,
             model=self.model,
-            num_microbatches=self.num_microbatches,
+            num_microbatches=num_microbatches,
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
@@ -157,10 +162,33 @@ class Trainer:
         metrics = {"lm loss": self._global_lm_loss(reports), "grad norm": grad_norm,
                    "learning rate": lr, "loss scale": self.optimizer.get_loss_scale().item(),
                    "skipped": not update_successful}
-        metrics.update(self._aux_losses())
+        metrics.update(self._aux_losses(num_microbatches))
         metrics.update(self.mtp_losses())
-        metrics.update(INDEXER_LOSSES.take(self.config, self.num_microbatches, self.device))
+        metrics.update(INDEXER_LOSSES.take(self.config, num_microbatches, self.device))
+        if self.dynamic is not None:
+            metrics.update(self.dynamic_plan.metrics(self.dynamic, args.context_parallel_size))
         return metrics
+
+    def _step_data(self):
+        """This step's microbatches (an iterator) and how many there are."""
+        args = self.args
+        if self.dynamic is not None:
+            from cp_ext.training.dynamic_batches import dynamic_microbatches, plan_step
+
+            self.dynamic_plan = plan_step(self.dataset, self.consumed_samples, args.global_batch_size, self.dynamic)
+            data = dynamic_microbatches(
+                self.dataset, self.dynamic_plan, rank=cp_state.get_dynamic_rank(), device=self.device,
+                tp_multiple=args.tensor_model_parallel_size if args.sequence_parallel else 1,
+                first_stage=self.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage())
+            return iter(data), len(data)
+        data = microbatches(
+            self.dataset, consumed_samples=self.consumed_samples, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            device=self.device, positions=self.cp_positions,
+            first_stage=self.reads_tokens, last_stage=parallel_state.is_pipeline_last_stage(),
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        )
+        return data, self.num_microbatches
 
     def lm_loss_sums(self, reports):
         """This rank's (loss sum, token count) of the microbatches it ran.
@@ -192,11 +220,14 @@ class Trainer:
         dist.all_reduce(total)
         return (total[0] / total[1].clamp(min=1)).item()
 
-    def _aux_losses(self):
+    def _aux_losses(self, num_microbatches):
         """Per-layer-averaged MoE aux losses, as megatron's `track_moe_metrics` reports them."""
         # megatron logs rank 0's z loss only; the mean over all ranks is the layout-free value
         everyone = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        tracked = reduced_moe_losses(average_over={"z_loss": everyone})
+        if self.dynamic is not None:
+            tracked, num_microbatches = self._dynamic_moe_losses(everyone)
+        else:
+            tracked = reduced_moe_losses(average_over={"z_loss": everyone})
         if not tracked:
             return {}
         # megatron's count: the MoE layers of --moe-layer-freq (dense-first layers log no aux loss), plus MTP's
@@ -205,9 +236,25 @@ class Trainer:
         num_moe_layers += self.config.mtp_num_layers or 0
         out = {}
         for name, values in tracked.items():
-            out[name.replace("_", " ")] = (values.float().sum() / self.num_microbatches / num_moe_layers).item()
+            out[name.replace("_", " ")] = (values.float().sum() / num_microbatches / num_moe_layers).item()
         zero_moe_loss_tracker()
         return out
+
+    def _dynamic_moe_losses(self, everyone):
+        """Under dynamic CP the routers reduced over each microbatch's group (`cp_ext.transformer.dynamic_cp`):
+        a group's ranks' partial aux losses sum to its pack's, so the per-pack mean is the sum over all ranks
+        over the packs of the step. The z loss is each rank's own mean over its tokens, averaged over ranks and
+        microbatches (megatron's record keeps no token count to weight it by). Returns (values, divisor)."""
+        tracked = local_moe_losses()
+        packs = sum(len(mb.groups) for mb in self.dynamic_plan.schedule.microbatches)
+        out = {}
+        for name, values in tracked.items():
+            values = values.clone()
+            dist.all_reduce(values, group=everyone)
+            if name == "z_loss":
+                values *= packs / (everyone.size() * len(self.dynamic_plan.schedule.microbatches))
+            out[name] = values
+        return out, packs
 
     def train(self):
         args = self.args

@@ -45,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
+from cp_ext.transformer.dynamic_cp import dynamic_params
 from cp_ext.transformer.recompute import KeptAttention
 
 
@@ -126,8 +127,9 @@ class CoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("cp_ext attention supports neither packed sequences nor attention_bias")
+        if attention_bias is not None:
+            raise NotImplementedError("cp_ext attention does not support attention_bias")
+        dynamic = dynamic_params(packed_seq_params)  # dynamic CP: this microbatch's group and layout
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise NotImplementedError(f"cp_ext attention supports causal and no_mask, not {mask_type}")
@@ -146,7 +148,10 @@ class CoreAttention(MegatronModule):
                 return self.kv_cache.attend(layer, query, key, value, scale, window_size=window,
                                             softmax_offset=offset, up_weight=up_weight).reshape(seq, batch, out_dim)
             self.kv_cache.store_prefill(layer, key, value, num_heads=heads)  # then attend as in training
-        if getattr(self.config, "cp_aware_recompute", False) and self.training:
+        if dynamic is not None and dynamic.size > 1:
+            return self._dynamic(dynamic, query, key, value, causal, scale, document_ids, window, offset,
+                                 up_weight).reshape(seq, batch, out_dim)
+        if getattr(self.config, "cp_aware_recompute", False) and self.training and dynamic is None:
             from cp_ext import parallel_state as cp_state
 
             out = self.kept.forward(
@@ -157,7 +162,7 @@ class CoreAttention(MegatronModule):
             )
             if out is not None:
                 return out.reshape(seq, batch, out_dim)
-        if parallel_state.get_context_parallel_world_size() > 1:
+        if parallel_state.get_context_parallel_world_size() > 1 and dynamic is None:
             from cp_ext.attention.dispatch import context_parallel_attention
 
             if self.dropout_p and self.training:
@@ -193,6 +198,25 @@ class CoreAttention(MegatronModule):
                 enable_gqa=k.shape[1] != q.shape[1],
             )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, out_dim)
+
+    def _dynamic(self, dynamic, query, key, value, causal, scale, document_ids, window, offset, up_weight):
+        """Dynamic CP: the ring (or, for an ``all_gather`` layer, the all-gather) over this microbatch's group,
+        on its per-document zigzag (`cp_ext.transformer.dynamic_cp`)."""
+        from cp_ext.attention.dispatch import NO_GROUP, all_gather_attention, hybrid_attention
+
+        if self.dropout_p and self.training:
+            raise NotImplementedError("attention dropout is not supported with context parallelism")
+        kw = dict(causal=causal, softmax_scale=scale, kernel=self.kernel, document_ids=document_ids,
+                  window_size=window, softmax_offset=offset, up_weight=up_weight)
+        if self.cp_comm_type == "all_gather":
+            return all_gather_attention(query, key, value, group=dynamic.cp_group, positions=dynamic.positions(), **kw)
+        if getattr(self.config, "cp_aware_recompute", False) and self.training:
+            out = self.kept.forward(query, key, value, layout=dynamic.layout, ulysses_group=NO_GROUP,
+                                    ring_group=dynamic.cp_group, comm_type=None, **kw)
+            if out is not None:
+                return out
+        return hybrid_attention(query, key, value, ulysses_group=NO_GROUP, ring_group=dynamic.cp_group,
+                                layout=dynamic.layout, **kw)
 
 
 def _document_ids(attention_mask, batch, seq, device):
