@@ -1,0 +1,57 @@
+"""Dynamic context parallelism's flags (`cp_ext.arguments.dynamic_cp`): Megatron-LM's spelling, defaults and
+meaning, and one clear error per mistake, naming the flag and the fix."""
+
+import pytest
+
+from cp_ext.arguments import parse_args
+from tests.test_arguments import _error
+
+DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-length", "64",
+           "--max-seqlen-per-dp-cp-rank", "16"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "argv, world, must_name",
+    [
+        (DYNAMIC[:1] + DYNAMIC[2:], 4, ["needs --calculate-per-token-loss", "add it"]),
+        (DYNAMIC[:-2], 4, ["needs --max-seqlen-per-dp-cp-rank", "--seq-length / --context-parallel-size = 64"]),
+        (DYNAMIC[:-1] + ["8"], 4, ["--max-seqlen-per-dp-cp-rank 8 x 4 DP x CP ranks = 32 tokens cannot hold",
+                                   "raise it to at least 16"]),
+        (DYNAMIC + ["--sequence-packing-scheduler", "dp_balanced"], 4, ["dp_balanced is static CP's packing"]),
+        (DYNAMIC + ["--min-dynamic-context-parallel-size", "3"], 4, ["--min-dynamic-context-parallel-size 3 must "
+                                                                      "divide the 4 DP x CP ranks"]),
+        (["--sequence-packing-scheduler", "balanced"], 1, ["--sequence-packing-scheduler balanced", "add it"]),
+        (["--max-seqlen-per-dp-cp-rank", "16"], 1, ["take effect with --dynamic-context-parallel only"]),
+        (DYNAMIC + ["--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4,
+         ["--pipeline-model-parallel-size > 1", "use PP 1"]),
+        (DYNAMIC + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4, ["Ulysses", "use p2p"]),
+        (DYNAMIC + ["--mtp-num-layers", "1"], 4, ["--mtp-num-layers"]),
+        (DYNAMIC + MLA, 4, ["--multi-latent-attention", "use standard attention"]),
+        (DYNAMIC + ["--synthetic-task", "passkey"], 4, ["--synthetic-task passkey", "--data-path"]),
+        (DYNAMIC + ["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
+         ["--moe-token-dispatcher-type allgather", "use --moe-token-dispatcher-type alltoall"]),
+    ],
+    ids=["without-per-token-loss", "budget-missing", "budget-too-small", "dp-balanced", "min-size-not-dividing",
+         "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "mla", "synthetic",
+         "ep-allgather"],
+)
+def test_bad_dynamic_cp_flags_name_the_flag(argv, world, must_name):
+    message = _error(argv, world)
+    for text in must_name:
+        assert text in message, f"{text!r} missing from: {message}"
+
+
+def test_an_unknown_scheduler_is_refused_by_name():
+    message = _error(DYNAMIC + ["--sequence-packing-scheduler", "fastest"], 4)
+    assert "--sequence-packing-scheduler: invalid choice: 'fastest'" in message and "balanced" in message
+
+
+def test_megatron_core_0_16_to_0_19_name_turns_it_on_with_megatrons_scheduler():
+    args = parse_args(["--hybrid-context-parallel"] + DYNAMIC[1:], world_size=4)
+    assert args.dynamic_context_parallel and args.sequence_packing_scheduler == "default_dynamic_cp"
+    assert args.min_dynamic_context_parallel_size == 1
+    assert parse_args(DYNAMIC + ["--sequence-packing-scheduler", "balanced"], world_size=4).sequence_packing_scheduler \
+        == "balanced"

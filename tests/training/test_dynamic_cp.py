@@ -1,0 +1,240 @@
+"""Dynamic context parallelism (issue #38) = one process, on the same global batches of documents.
+
+A corpus of documents of lognormal lengths (2 to 150 tokens, cut at --seq-length 64) trains 2 iterations
+with --dynamic-context-parallel on 4 ranks: each document on a group of 1, 2 or 4 of the DP x CP ranks
+(--max-seqlen-per-dp-cp-rank 16), laid out per document in zigzag (`cp_ext.layout.DocumentZigzag`), with the
+MoE aux and z losses on. The reference is one process that runs the same packs of documents, one pack per
+microbatch (the schedule's groups: the aux loss balances experts over a pack, so packing is part of the
+model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
+parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
+scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
+GPT-OSS's windows and sinks, and static CP's sizes (every document on 2 ranks).
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import launch, worker_args, write_results  # noqa: E402
+from tests.training.test_grid_equivalence import WINDOW_FLAGS, _assert_same, _gather, _grad_slices  # noqa: E402
+
+SEQ = 64
+MODEL = [
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "64", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "48", "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--seed", "11", "--data-seed", "3",
+    "--clip-grad", "1.0", "--dynamic-context-parallel", "--calculate-per-token-loss", "--split", "100,0,0",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+]
+M16 = ["--max-seqlen-per-dp-cp-rank", "16"]  # 4 DP x CP ranks: groups of 1 (<= 16 tokens), 2 (<= 32) and 4
+RUNS = {  # 4 ranks each
+    "dp2cp2": ["--context-parallel-size", "2"] + M16,
+    "dp2cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced"] + M16,
+    "cp4_all_gather": ["--context-parallel-size", "4", "--cp-comm-type", "all_gather"] + M16,
+    "tp2sp_cp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                  "--max-seqlen-per-dp-cp-rank", "32"],
+    "dp2cp2_ep2": ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                   "alltoall"] + M16,
+    "cp4_recompute": ["--context-parallel-size", "4", "--recompute-granularity", "full", "--recompute-method",
+                      "uniform", "--recompute-num-layers", "1"] + M16,
+    # static CP's sizes through the same path: every document on (at least) 2 ranks
+    "dp2cp2_static_sizes": ["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "2",
+                            "--max-seqlen-per-dp-cp-rank", "32"],
+    "dp2cp2_windows": ["--context-parallel-size", "2"] + M16 + WINDOW_FLAGS,
+}
+PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler")
+
+
+def _packing(flags):
+    """What decides a run's packs: its DP x CP ranks, its scheduler flags, and whether it has windows (another
+    model)."""
+    picked = tuple((f, flags[flags.index(f) + 1]) for f in PACKING_FLAGS if f in flags)
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    return picked + (("world", str(4 // tp)),), "--window-size" in flags
+
+
+REFERENCES = {}  # the single-process runs: "ref<i>" -> (packing, flags)
+for _flags in RUNS.values():
+    key = _packing(_flags)
+    if key not in [v[0] for v in REFERENCES.values()]:
+        picked, windows = key
+        scheduler = [x for f, v in picked if f == "--sequence-packing-scheduler" for x in (f, v)]
+        REFERENCES[f"ref{len(REFERENCES)}"] = (key, ["--max-seqlen-per-dp-cp-rank", str(SEQ)] + scheduler
+                                               + (WINDOW_FLAGS if windows else []))
+
+
+def reference_of(name):
+    return next(ref for ref, (key, _) in REFERENCES.items() if key == _packing(RUNS[name]))
+
+
+def write_documents(prefix, num_documents=200, seed=3):
+    """ByteTokenizer documents of lognormal lengths (median 20 tokens, 2 to 150), each ending with EOD."""
+    import numpy as np
+
+    from cp_ext.data.indexed import IndexedDatasetWriter
+    from cp_ext.data.tokenizers import build_tokenizer
+
+    eod = build_tokenizer("ByteTokenizer", None).eod
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for n in np.clip(rng.lognormal(np.log(20), 1.0, num_documents), 2, 150).astype(int):
+        writer.add(np.append(rng.integers(32, 127, n - 1), eod))
+    writer.finalize()
+    writer.commit()
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    return write_documents(tmp_path_factory.mktemp("dcp_docs") / "docs")
+
+
+@pytest.fixture(scope="module")
+def runs(documents):
+    done = {}
+
+    def get(name):
+        world = 1 if name in REFERENCES else 4
+        if world not in done:
+            names = list(REFERENCES) if world == 1 else list(RUNS)
+            results = launch(__file__, world, "--runs", ",".join(names), "--docs", documents, timeout=900)
+            done[world] = {n: _gather_run(results, n, world) for n in names}
+        return done[world][name]
+
+    return get
+
+
+def _gather_run(results, name, world):
+    import tests.training.test_grid_equivalence as grid
+
+    flags = REFERENCES[name][1] if name in REFERENCES else RUNS[name]
+    grid.RUNS.setdefault(name, (world, flags, None))  # _gather reads the flags from there
+    return _gather(results, name, world)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_dynamic_cp_matches_single_process(name, runs):
+    _assert_same(runs(name), runs(reference_of(name)))
+
+
+def test_documents_run_on_every_group_size(runs):
+    """The corpus and budget exercise CP 1, 2 and 4 in the same step; static sizes never use 1."""
+    assert {1, 2, 4} <= set(runs("dp2cp2")[0]["sizes"]), runs("dp2cp2")[0]["sizes"]
+    assert {1, 2, 4} <= set(runs("dp2cp2_balanced")[0]["sizes"]), runs("dp2cp2_balanced")[0]["sizes"]
+    assert 1 not in runs("dp2cp2_static_sizes")[0]["sizes"]
+    assert all(set(runs(ref)[0]["sizes"]) == {1} for ref in REFERENCES)
+
+
+def test_aux_losses_are_logged(runs):
+    """Both MoE losses are on (the reference's router applies them, so matching gradients include them)."""
+    for name in ("dp2cp2", "dp2cp2_ep2", "tp2sp_cp2"):
+        assert runs(name)[0]["load balancing loss"][0] > 0.5 and runs(name)[0]["z loss"][0] > 0, name
+
+
+def test_the_plan_is_logged(runs):
+    """The log's plan fields (`StepPlan.metrics`) and their line (`cp_ext.training.logging.IterationLog`)."""
+    import io
+    from types import SimpleNamespace
+
+    from cp_ext.training.logging import IterationLog
+
+    plan = dict(runs("dp2cp2")[0]["plan"])
+    assert plan.pop("lengths") and plan["dynamic cp tokens"] == sum(runs("dp2cp2")[0]["plan"]["lengths"])
+    assert 1.0 <= plan["dynamic cp work max/mean"] < 2.0 and plan["dynamic cp exchange vs static"] > 0
+    assert runs("dp2cp2_static_sizes")[0]["plan"]["dynamic cp exchange vs static"] >= 1.0  # never fewer hops
+    stream = io.StringIO()
+    log = IterationLog(SimpleNamespace(train_iters=2, log_interval=1, global_batch_size=8), 512, stream=stream)
+    log.record(2, 16, 1.0, {"lm loss": 5.0, "grad norm": 0.5, "learning rate": 1e-3, **plan})
+    line = stream.getvalue()
+    assert "dynamic cp documents per size: " in line and "dynamic cp work max/mean: " in line, line
+    assert f"tokens per second: {plan['dynamic cp tokens']:.1f}" in line, line
+
+
+def test_windows_change_training(runs):
+    assert abs(runs("dp2cp2_windows")[0]["lm loss"][1] - runs("dp2cp2")[0]["lm loss"][1]) > 1e-4
+
+
+def test_cp_aware_recompute_replays(runs):
+    assert runs("cp4_recompute")[0]["replayed"] > 0
+
+
+# ----------------------------------------------------------------------------- worker
+def _same_packs(dynamic_of_run):
+    """plan_step for one process that runs another run's packs (its DP x CP groups), one pack per microbatch."""
+    from cp_ext.data.dynamic_schedule import Group, Microbatch, Schedule
+    from cp_ext.training import dynamic_batches
+
+    original = dynamic_batches.plan_step
+
+    def plan_step(dataset, consumed_samples, global_batch_size, dynamic):
+        run = original(dataset, consumed_samples, global_batch_size, dynamic_of_run(dynamic))
+        packs = [Microbatch([Group(0, 1, list(g.documents), g.tokens)])
+                 for mb in run.schedule.microbatches for g in mb.groups]
+        return dynamic_batches.StepPlan(run.sample_ids, run.lengths, Schedule(1, run.lengths, packs))
+
+    return original, plan_step
+
+
+def _train(args):
+    from cp_ext.arguments import parse_args
+    from cp_ext.training.trainer import Trainer
+    from cp_ext.transformer.attention import CoreAttention
+
+    trainer = Trainer(parse_args(args))
+    history, grads, sizes = {"lm loss": [], "load balancing loss": [], "z loss": [], "grad norm": []}, None, set()
+    for _ in range(2):
+        metrics = trainer.train_step()
+        for key in history:
+            history[key].append(metrics.get(key, 0.0))
+        sizes |= {int(k.rsplit(" ", 1)[1]) for k in metrics if k.startswith("dynamic cp documents at size")}
+        if grads is None:
+            grads = _grad_slices(trainer.model[0].module)
+    history["sizes"] = sorted(sizes)
+    history["plan"] = {k: v for k, v in metrics.items() if k.startswith("dynamic cp ")}
+    history["plan"]["lengths"] = getattr(trainer, "dynamic_plan").lengths
+    history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
+    trainer.shutdown(keep_process_group=True)
+    return history, grads
+
+
+def worker():
+    import argparse
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    opts = worker_args(sys.argv[1:])
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True)
+    p.add_argument("--docs", required=True)
+    extra = p.parse_args(opts.extra)
+    results = {"results_dir": opts.results_dir}
+    from cp_ext.training import dynamic_batches
+
+    for name in extra.runs.split(","):
+        if name in REFERENCES:
+            picked = dict(REFERENCES[name][0][0])
+            budget, smallest = int(picked["--max-seqlen-per-dp-cp-rank"]), int(picked.get("--min-dynamic-context-parallel-size", 1))
+            original, dynamic_batches.plan_step = _same_packs(lambda d: dataclasses.replace(
+                d, world=int(picked["world"]), max_tokens_per_rank=budget, min_size=smallest))
+            try:
+                results[name], grads = _train(MODEL + REFERENCES[name][1] + ["--data-path", extra.docs])
+            finally:
+                dynamic_batches.plan_step = original
+        else:
+            results[name], grads = _train(MODEL + RUNS[name] + ["--data-path", extra.docs])
+        torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+    write_results(opts.results_dir, results)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker()
