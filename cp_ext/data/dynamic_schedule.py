@@ -27,7 +27,8 @@ comparison: the megatron-core releases cp_ext supports (0.16-0.19) ship only V1'
 On Megatron's example mix (lognormal mean 1024, sigma 1.5, 128-8192 tokens, M 2048) under this module's cost
 with per_token 512 and exchange 256, the modelled step against every document at full CP: 4 ranks cp_ext 1.18,
 megatron's 1.16; 8 ranks 1.54 and 1.50 (16 ranks on a 1K-128K mix: 1.15 and 1.20: work to do).
-The runtime, the benchmark tool and the tuning are issue #38's next steps.
+The runtime: `cp_ext.training.dynamic_batches` (docs/dynamic_cp.md); the benchmark tool and the tuning are
+issue #38's next steps.
 """
 
 import math
