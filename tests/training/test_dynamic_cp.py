@@ -100,22 +100,20 @@ def runs(documents):
     done = {}
 
     def get(name):
-        world = 1 if name in REFERENCES else 4
+        world = 1 if name in REFERENCES else 4  # a run, or what the 4-rank launch adds (dp2cp2_resumed, ...)
         if world not in done:
             names = list(REFERENCES) if world == 1 else list(RUNS)
             results = launch(__file__, world, "--runs", ",".join(names), "--docs", documents, timeout=900)
             done[world] = {n: _gather_run(results, n, world) for n in names}
+            done[world].update({k: v for k, v in results[0].items() if k.startswith("dp2cp2_")
+                                and k not in RUNS})
         return done[world][name]
 
     return get
 
 
 def _gather_run(results, name, world):
-    import tests.training.test_grid_equivalence as grid
-
-    flags = REFERENCES[name][1] if name in REFERENCES else RUNS[name]
-    grid.RUNS.setdefault(name, (world, flags, None))  # _gather reads the flags from there
-    return _gather(results, name, world)
+    return _gather(results, name, world, flags=REFERENCES[name][1] if name in REFERENCES else RUNS[name])
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -154,6 +152,15 @@ def test_the_plan_is_logged(runs):
     line = stream.getvalue()
     assert "dynamic cp documents per size: " in line and "dynamic cp work max/mean: " in line, line
     assert f"tokens per second: {plan['dynamic cp tokens']:.1f}" in line, line
+
+
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(runs):
+    """The plan depends only on the data and the step: iteration 2 after a checkpoint at iteration 1 trains on
+    the same documents in the same groups, with the same losses and grad norm (bit for bit on one machine)."""
+    resumed, uninterrupted = runs("dp2cp2_resumed"), runs("dp2cp2")[0]
+    assert resumed["start"] == 1 and resumed["lengths"] == runs("dp2cp2_lengths")
+    for key in ("lm loss", "load balancing loss", "z loss", "grad norm"):
+        assert resumed[key] == uninterrupted[key][1], (key, resumed[key], uninterrupted[key][1])
 
 
 def test_windows_change_training(runs):
@@ -203,6 +210,27 @@ def _train(args):
     return history, grads
 
 
+def _resume(args, directory):
+    """One iteration, a checkpoint, a new trainer from it (mid-epoch: 8 of 200 documents seen), one more."""
+    import torch.distributed as dist
+
+    from cp_ext.arguments import parse_args
+    from cp_ext.training.trainer import Trainer
+
+    trainer = Trainer(parse_args(args))
+    trainer.train_step()
+    trainer.checkpointer.save(directory)
+    trainer.shutdown(keep_process_group=True)
+    dist.barrier()
+    trainer = Trainer(parse_args(args + ["--load", str(directory)]))
+    start = trainer.iteration
+    metrics = trainer.train_step()
+    out = {"start": start, "lengths": trainer.dynamic_plan.lengths,
+           **{key: metrics[key] for key in ("lm loss", "load balancing loss", "z loss", "grad norm")}}
+    trainer.shutdown(keep_process_group=True)
+    return out
+
+
 def worker():
     import argparse
     import os
@@ -232,6 +260,10 @@ def worker():
         else:
             results[name], grads = _train(MODEL + RUNS[name] + ["--data-path", extra.docs])
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+    if "dp2cp2" in results:
+        results["dp2cp2_resumed"] = _resume(MODEL + RUNS["dp2cp2"] + ["--data-path", extra.docs],
+                                            Path(opts.results_dir) / "checkpoint")
+        results["dp2cp2_lengths"] = results["dp2cp2"]["plan"]["lengths"]
     write_results(opts.results_dir, results)
     dist.destroy_process_group()
 

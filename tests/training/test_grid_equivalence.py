@@ -274,8 +274,8 @@ def runs(short_documents, quick):
     return get
 
 
-def _gather(results, name, nproc):
-    flags = RUNS[name][1]
+def _gather(results, name, nproc, flags=None):
+    flags = RUNS[name][1] if flags is None else flags
     out_dir = Path(results[0]["results_dir"])
     if "--use-distributed-optimizer" in flags:
         # Its reduce-scatter leaves each DP rank only its own shard of the reduced gradient
