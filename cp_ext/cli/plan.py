@@ -31,6 +31,11 @@ reduce-scattered; no Ulysses), ranked with the others: its transient full-sequen
 fp32 dK/dV) is in the activations (`cp_ext.perf.memory.all_gather_transient_bytes`) and its
 bytes in the communication (`cp_ext.perf.comm.all_gather_bytes`). The default plans only
 ``a2a+p2p``: the Ulysses x ring layouts above (U = 1 is the ring).
+
+``--document-lengths MEDIAN,SIGMA,MIN,MAX`` (a lognormal mix of document lengths) adds dynamic CP's budget
+for the best layout without pipelining: the ``--max-seqlen-per-dp-cp-rank`` whose cp_ext schedule has the
+least modelled step over its DP x CP ranks, up to the tokens per rank the layout was sized for
+(`cp_ext.perf.dynamic_cp.suggest_max_seqlen_per_rank`), beside static CP's modelled step on the same documents.
 """
 
 import argparse
@@ -61,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="valid layouts to print")
     p.add_argument("--show-invalid", action="store_true", help="also list the excluded layouts and why")
     p.add_argument("--kv-arithmetic", action="store_true", help="print the textbook KV-cache arithmetic and exit")
+    p.add_argument("--document-lengths", default=None, metavar="MEDIAN,SIGMA,MIN,MAX",
+                   help="a lognormal mix of document lengths: suggest dynamic CP's --max-seqlen-per-dp-cp-rank")
     p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
                    help="after --: pretrain_moe.py flags (or --config YAML) describing the model instead of --model")
     args = p.parse_args(argv)
@@ -101,6 +108,8 @@ def main(argv=None) -> int:
               f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} "
               f"{c['cp_all_gather'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
               f"{pl.comm_seconds:7.3f} {pl.bubble:6.2f}  {pl.reason}{transient}")
+    if args.document_lengths and valid:
+        _suggest_dynamic_cp(p, args, m, valid)
     if args.show_invalid or not valid:
         for pl in plans:
             if not pl.valid:
@@ -135,3 +144,29 @@ def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return ModelShape.from_args(a)
+
+
+def _suggest_dynamic_cp(p, args, m, valid):
+    from cp_ext.perf.dynamic_cp import Hardware, bench_model_of, compare, lognormal_lengths, suggest_max_seqlen_per_rank
+
+    try:
+        median, sigma, low, high = (float(x) for x in args.document_lengths.split(","))
+    except ValueError:
+        p.error(f"--document-lengths {args.document_lengths}: give MEDIAN,SIGMA,MIN,MAX (e.g. 16384,1.5,1024,131072)")
+    if high > args.seq_length:
+        p.error(f"--document-lengths: MAX {high:.0f} is longer than --seq-length {args.seq_length}, where documents are cut")
+    layout = next((pl for pl in valid if pl.grid.pp == 1), None)
+    if layout is None:
+        print("dynamic CP: no fitting layout without pipelining (dynamic CP runs at PP 1)")
+        return
+    g, model = layout.grid, bench_model_of(m)
+    world, ceiling = g.dp * g.cp, args.seq_length // g.cp
+    hw = Hardware(link_bytes_per_s=args.intra_node_gbps * 1e9)
+    batches = [lognormal_lengths(args.global_batch, median, sigma, int(low), int(high), seed) for seed in range(2)]
+    best, table = suggest_max_seqlen_per_rank(batches, world=world, ceiling=ceiling, model=model, hw=hw)
+    static = sum(compare(b, world=world, static_cp=g.cp, seq_length=args.seq_length, max_tokens_per_rank=best,
+                         model=model, hw=hw)["static"]["modelled step (s)"] for b in batches)
+    steps = ", ".join(f"{c}: {s:.3g} s" for c, s in table)
+    print(f"dynamic CP on TP{g.tp} CP{g.cp} DP{g.dp} (the ring; {world} DP x CP ranks), {args.global_batch} documents per batch of lognormal "
+          f"median {median:.0f} sigma {sigma:g} in [{low:.0f}, {high:.0f}]: --dynamic-context-parallel "
+          f"--max-seqlen-per-dp-cp-rank {best} (modelled step per candidate: {steps}; static CP {g.cp}: {static:.3g} s)")
