@@ -8,8 +8,6 @@ from tests.test_arguments import _error
 
 DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-length", "64",
            "--max-seqlen-per-dp-cp-rank", "16"]
-MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 
 
 @pytest.mark.quick
@@ -29,13 +27,12 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16"
          ["--pipeline-model-parallel-size > 1", "use PP 1"]),
         (DYNAMIC + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4, ["Ulysses", "use p2p"]),
         (DYNAMIC + ["--mtp-num-layers", "1"], 4, ["--mtp-num-layers"]),
-        (DYNAMIC + MLA, 4, ["--multi-latent-attention", "use standard attention"]),
         (DYNAMIC + ["--synthetic-task", "passkey"], 4, ["--synthetic-task passkey", "--data-path"]),
         (DYNAMIC + ["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
          ["--moe-token-dispatcher-type allgather", "use --moe-token-dispatcher-type alltoall"]),
     ],
     ids=["without-per-token-loss", "budget-missing", "budget-too-small", "dp-balanced", "min-size-not-dividing",
-         "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "mla", "synthetic",
+         "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "synthetic",
          "ep-allgather"],
 )
 def test_bad_dynamic_cp_flags_name_the_flag(argv, world, must_name):

@@ -93,9 +93,6 @@ def _unsupported(args):
         out.append(("--expert-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "the allgather "
                     "dispatcher needs the same token count on every EP rank, and a rank's tokens vary with its "
                     "group; use --moe-token-dispatcher-type alltoall"))
-    if getattr(args, "multi_latent_attention", False):
-        out.append(("--multi-latent-attention", "not yet (MLA's RoPE at per-document positions, as for "
-                    "--reset-position-ids); use standard attention"))
     if args.mtp_num_layers:
         out.append(("--mtp-num-layers", "not yet (the shifted labels would cross documents of one group)"))
     if getattr(args, "experimental_attention_variant", None) == "dsa":

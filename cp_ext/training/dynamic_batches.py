@@ -158,7 +158,8 @@ def _group_microbatch(samples, sample_ids, first, size, rank_in_group, device, t
         document_ids=local["document_ids"],
         packed_seq_params=DynamicCPParams.for_group(
             cp_state.get_dynamic_group(first, size), layout, router_group=cp_state.get_dynamic_router_group(first, size),
-            padding_mask=local["padding"], valid_tokens=sum(s["tokens"].numel() for s in samples)),
+            padding_mask=local["padding"], valid_tokens=sum(s["tokens"].numel() for s in samples),
+            position_ids=local["position_ids"]),
     )
 
 
@@ -192,7 +193,7 @@ def _padding_microbatch(device, tp_multiple, first_stage, last_stage):
         sample_ids=[], document_ids=torch.full((1, n), PADDING_ID, dtype=torch.int64, device=device),
         packed_seq_params=DynamicCPParams.for_group(
             None, DocumentZigzag((n,), 1), router_group=parallel_state.get_tensor_model_parallel_group(),
-            padding_mask=torch.ones(1, n, dtype=torch.bool, device=device)),
+            padding_mask=torch.ones(1, n, dtype=torch.bool, device=device), position_ids=zeros),
     )
 
 

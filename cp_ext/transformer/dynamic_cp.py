@@ -7,7 +7,7 @@ group from it. cp_ext's layers read the same seat: `DynamicCPParams` is a ``Pack
 ``sbhd`` format (megatron's THD paths stay off) that also carries the microbatch's `DocumentZigzag`
 layout (which positions of the group's documents this rank holds). ``local_cp_size`` stays None: megatron's
 MLA asserts it is (0.16-0.19, "hybrid_context_parallel is not supported with MLA yet"), and cp_ext's MLA
-runs on ``cp_group`` and the layout. ``max_seqlen_q``/``kv`` are the longest document, which RoPE's table
+runs on ``cp_group`` and the layout, with its RoPE at ``position_ids`` (`cp_ext.transformer.mla`). ``max_seqlen_q``/``kv`` are the longest document, which RoPE's table
 must cover (``get_rotary_seq_len``).
 
 The MoE routers' load-balancing statistics are per microbatch too (`DynamicRouting`): each group's pack of
@@ -31,19 +31,22 @@ from cp_ext.megatron_compat import ROUTER_SCALES_AUX_LOSS_BY_TP_CP
 class DynamicCPParams(PackedSeqParams):
     """``layout``: the group's documents and this rank's share; ``router_group``: the group's ranks x TP (where
     the routers reduce); ``padding_mask``: [1, this rank's tokens], True at padding; ``valid_tokens``: the
-    group's tokens that are not padding (0: an idle rank's padding microbatch)."""
+    group's tokens that are not padding (0: an idle rank's padding microbatch); ``position_ids``: [1, this
+    rank's tokens], each token's position in its document (RoPE's row for layers that build their own: MLA)."""
 
     layout: Optional[DocumentZigzag] = None
     router_group: Optional[dist.ProcessGroup] = None
     padding_mask: Optional[torch.Tensor] = None
     valid_tokens: int = 0
+    position_ids: Optional[torch.Tensor] = None
 
     @classmethod
     def for_group(cls, group: Optional[dist.ProcessGroup], layout: DocumentZigzag, router_group=None,
-                  padding_mask=None, valid_tokens: int = 0) -> "DynamicCPParams":
+                  padding_mask=None, valid_tokens: int = 0, position_ids=None) -> "DynamicCPParams":
         longest = max(layout.lengths)
         return cls(qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=group, layout=layout,
-                   router_group=router_group, padding_mask=padding_mask, valid_tokens=valid_tokens)
+                   router_group=router_group, padding_mask=padding_mask, valid_tokens=valid_tokens,
+                   position_ids=position_ids)
 
     @property
     def size(self) -> int:

@@ -37,6 +37,7 @@ from cp_ext.megatron_compat import MLA_ROPE_KWARGS
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import DSACoreAttention
+from cp_ext.transformer.dynamic_cp import DynamicCPParams
 
 
 def _decoding_position(core_attention):
@@ -106,17 +107,18 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
                                     packed_seq_params=None, inference_context=None, *, inference_params=None):
         """megatron's, except under the latent exchange (key: the latent, value None) and at TP > 1,
         where megatron-core 0.16.1 loses gradient: `_projections`."""
-        own = packed_seq_params is None and inference_context is None and inference_params is None
+        dynamic = packed_seq_params if isinstance(packed_seq_params, DynamicCPParams) else None
+        own = (packed_seq_params is None or dynamic is not None) and inference_context is None and inference_params is None
         latent = own and self.latent_exchange()
-        if not latent and not (own and self.pg_collection.tp.size() > 1):
+        if not latent and not (own and (self.pg_collection.tp.size() > 1 or dynamic is not None)):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
                                                        packed_seq_params, inference_context)
-        out = self._projections(hidden_states, latent)
+        out = self._projections(hidden_states, latent, dynamic)
         if isinstance(self.core_attention, DSACoreAttention):  # the indexer reads the layer input and q's latent
             self.core_attention.take_inputs(hidden_states, out[3])
         return out
 
-    def _projections(self, hidden_states, latent):
+    def _projections(self, hidden_states, latent, dynamic=None):
         """megatron's MLA projections and RoPE (``get_query_key_value_tensors``, no packing, no inference
         context), with one fix: at TP > 1 the shared RoPE key ``k_pe`` is gathered from the TP ranks'
         column slices and every rank's heads use it, but megatron sends back only the local heads' share
@@ -126,11 +128,15 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         Here ``k_pe`` passes megatron's ``copy_to_tensor_model_parallel_region``, which all-reduces its
         gradient over TP. Returns (query, key, value, q_compressed, kv_compressed); with ``latent`` key is
         ``[c | k_pe]`` [s, b, r + p] and value None. The latent exchange runs at TP = 1; DSA also at TP > 1,
-        where every rank's heads read the whole latent, so its gradient is summed over TP as k_pe's is."""
+        where every rank's heads read the whole latent, so its gradient is summed over TP as k_pe's is.
+        ``dynamic`` (dynamic CP's `DynamicCPParams`): RoPE at each token's position in its document."""
         cfg, tp = self.config, self.pg_collection.tp.size()
         r, p = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
-        seq_len = self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None)
-        emb, mscale = (self.rotary_pos_emb(seq_len), 1.0) if cfg.rope_type == "rope" else self.rotary_pos_emb(seq_len)
+        if dynamic is not None:  # [s_local, b, 1, dim] rows, as the model's own RoPE under --reset-position-ids
+            rows = self.rotary_pos_emb.at_positions(dynamic.position_ids.t(), dynamic.max_seqlen_q)
+        else:
+            rows = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None))
+        emb, mscale = (rows, 1.0) if cfg.rope_type == "rope" else rows
         q_compressed = hidden_states  # without q-LoRA the query projects the layer input (megatron's naming)
         if cfg.q_lora_rank is not None:
             q_compressed = self.linear_q_down_proj(hidden_states)[0]

@@ -8,7 +8,8 @@ microbatch (the schedule's groups: the aux loss balances experts over a pack, so
 model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
 parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
-GPT-OSS's windows and sinks, and static CP's sizes (every document on 2 ranks).
+GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), and static CP's sizes (every document on 2
+ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.launch import launch, worker_args, write_results  # noqa: E402
-from tests.training.test_grid_equivalence import WINDOW_FLAGS, _assert_same, _gather, _grad_slices  # noqa: E402
+from tests.training.test_grid_equivalence import MLA_FLAGS, WINDOW_FLAGS, _assert_same, _gather, _grad_slices  # noqa: E402
 
 SEQ = 64
 MODEL = [
@@ -47,26 +48,35 @@ RUNS = {  # 4 ranks each
     "dp2cp2_static_sizes": ["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "2",
                             "--max-seqlen-per-dp-cp-rank", "32"],
     "dp2cp2_windows": ["--context-parallel-size", "2"] + M16 + WINDOW_FLAGS,
+    # MLA (q-LoRA, qk-layernorm, YaRN) with its RoPE at per-document positions: the latent ring and per-head K/V
+    "dp2cp2_mla_latent": ["--context-parallel-size", "2", "--cp-mla-exchange", "latent"] + M16 + MLA_FLAGS,
+    "dp2cp2_mla_kv": ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"] + M16 + MLA_FLAGS,
 }
+VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS}  # other models than MODEL's
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler")
 
 
 def _packing(flags):
-    """What decides a run's packs: its DP x CP ranks, its scheduler flags, and whether it has windows (another
-    model)."""
+    """What decides a run's packs: its DP x CP ranks and its scheduler flags; and its model variant."""
     picked = tuple((f, flags[flags.index(f) + 1]) for f in PACKING_FLAGS if f in flags)
     tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
-    return picked + (("world", str(4 // tp)),), "--window-size" in flags
+    return picked + (("world", str(4 // tp)),), next((v for v in VARIANTS if v in flags), None)
 
+
+# One process, MLA with the aux loss off (the one term that depends on the packing): the packs of dp2cp2, and
+# every document of them alone. Equal only if attention stays inside each document. (Each document's RoPE
+# restarts at 0 too, but RoPE scores depend on relative positions only: a shift shows in rounding alone.)
+ALONE = {"mla_packed": False, "mla_alone": True}
+ALONE_FLAGS = ["--max-seqlen-per-dp-cp-rank", str(SEQ), "--moe-aux-loss-coeff", "0"] + MLA_FLAGS
 
 REFERENCES = {}  # the single-process runs: "ref<i>" -> (packing, flags)
 for _flags in RUNS.values():
     key = _packing(_flags)
     if key not in [v[0] for v in REFERENCES.values()]:
-        picked, windows = key
+        picked, variant = key
         scheduler = [x for f, v in picked if f == "--sequence-packing-scheduler" for x in (f, v)]
         REFERENCES[f"ref{len(REFERENCES)}"] = (key, ["--max-seqlen-per-dp-cp-rank", str(SEQ)] + scheduler
-                                               + (WINDOW_FLAGS if windows else []))
+                                               + VARIANTS.get(variant, []))
 
 
 def reference_of(name):
@@ -100,9 +110,9 @@ def runs(documents):
     done = {}
 
     def get(name):
-        world = 1 if name in REFERENCES else 4  # a run, or what the 4-rank launch adds (dp2cp2_resumed, ...)
+        world = 1 if name in REFERENCES or name in ALONE else 4  # a run, or what the 4-rank launch adds
         if world not in done:
-            names = list(REFERENCES) if world == 1 else list(RUNS)
+            names = list(REFERENCES) + list(ALONE) if world == 1 else list(RUNS)
             results = launch(__file__, world, "--runs", ",".join(names), "--docs", documents, timeout=900)
             done[world] = {n: _gather_run(results, n, world) for n in names}
             done[world].update({k: v for k, v in results[0].items() if k.startswith("dp2cp2_")
@@ -113,7 +123,8 @@ def runs(documents):
 
 
 def _gather_run(results, name, world):
-    return _gather(results, name, world, flags=REFERENCES[name][1] if name in REFERENCES else RUNS[name])
+    flags = REFERENCES[name][1] if name in REFERENCES else ALONE_FLAGS if name in ALONE else RUNS[name]
+    return _gather(results, name, world, flags=flags)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -167,13 +178,24 @@ def test_windows_change_training(runs):
     assert abs(runs("dp2cp2_windows")[0]["lm loss"][1] - runs("dp2cp2")[0]["lm loss"][1]) > 1e-4
 
 
+def test_documents_are_independent_of_their_pack(runs):
+    """A pack of documents trains as its documents alone (aux loss off): nothing crosses a document, MLA included."""
+    _assert_same(runs("mla_packed"), runs("mla_alone"))
+
+
+def test_mla_exchanges_the_latent_where_asked(runs):
+    assert runs("dp2cp2_mla_latent")[0]["latent exchange"] == [True]
+    assert runs("dp2cp2_mla_kv")[0]["latent exchange"] == [False]
+
+
 def test_cp_aware_recompute_replays(runs):
     assert runs("cp4_recompute")[0]["replayed"] > 0
 
 
 # ----------------------------------------------------------------------------- worker
-def _same_packs(dynamic_of_run):
-    """plan_step for one process that runs another run's packs (its DP x CP groups), one pack per microbatch."""
+def _same_packs(dynamic_of_run, alone=False):
+    """plan_step for one process that runs another run's packs (its DP x CP groups), one pack per microbatch;
+    ``alone``: every document of them in a microbatch of its own instead."""
     from cp_ext.data.dynamic_schedule import Group, Microbatch, Schedule
     from cp_ext.training import dynamic_batches
 
@@ -181,8 +203,8 @@ def _same_packs(dynamic_of_run):
 
     def plan_step(dataset, consumed_samples, global_batch_size, dynamic):
         run = original(dataset, consumed_samples, global_batch_size, dynamic_of_run(dynamic))
-        packs = [Microbatch([Group(0, 1, list(g.documents), g.tokens)])
-                 for mb in run.schedule.microbatches for g in mb.groups]
+        packs = [Microbatch([Group(0, 1, list(docs))]) for mb in run.schedule.microbatches for g in mb.groups
+                 for docs in ([[d] for d in g.documents] if alone else [g.documents])]
         return dynamic_batches.StepPlan(run.sample_ids, run.lengths, Schedule(1, run.lengths, packs))
 
     return original, plan_step
@@ -192,6 +214,7 @@ def _train(args):
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
     from cp_ext.transformer.attention import CoreAttention
+    from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 
     trainer = Trainer(parse_args(args))
     history, grads, sizes = {"lm loss": [], "load balancing loss": [], "z loss": [], "grad norm": []}, None, set()
@@ -206,6 +229,8 @@ def _train(args):
     history["plan"] = {k: v for k, v in metrics.items() if k.startswith("dynamic cp ")}
     history["plan"]["lengths"] = getattr(trainer, "dynamic_plan").lengths
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
+    history["latent exchange"] = sorted({m.latent_exchange() for m in trainer.model[0].module.modules()
+                                         if isinstance(m, ContextParallelMLASelfAttention)})
     trainer.shutdown(keep_process_group=True)
     return history, grads
 
@@ -255,6 +280,13 @@ def worker():
                 d, world=int(picked["world"]), max_tokens_per_rank=budget, min_size=smallest))
             try:
                 results[name], grads = _train(MODEL + REFERENCES[name][1] + ["--data-path", extra.docs])
+            finally:
+                dynamic_batches.plan_step = original
+        elif name in ALONE:
+            original, dynamic_batches.plan_step = _same_packs(
+                lambda d: dataclasses.replace(d, world=4, max_tokens_per_rank=16), alone=ALONE[name])
+            try:
+                results[name], grads = _train(MODEL + ALONE_FLAGS + ["--data-path", extra.docs])
             finally:
                 dynamic_batches.plan_step = original
         else:
