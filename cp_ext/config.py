@@ -185,6 +185,9 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # dynamic CP's microbatches differ in length: a pipeline sends each one's shape ahead of it
+        variable_seq_lengths=bool(getattr(args, "dynamic_context_parallel", False))
+        and args.pipeline_model_parallel_size > 1,
     )
     if args.position_embedding_type == "yarn" and not args.multi_latent_attention:
         # megatron-core's GPTModel reads its YaRN from yarn_* attributes that only some configs carry; these

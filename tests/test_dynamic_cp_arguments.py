@@ -23,17 +23,19 @@ DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-le
                                                                       "divide the 4 DP x CP ranks"]),
         (["--sequence-packing-scheduler", "balanced"], 1, ["--sequence-packing-scheduler balanced", "add it"]),
         (["--max-seqlen-per-dp-cp-rank", "16"], 1, ["take effect with --dynamic-context-parallel only"]),
-        (DYNAMIC + ["--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4,
-         ["--pipeline-model-parallel-size > 1", "use PP 1"]),
+        (DYNAMIC + ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--tensor-model-parallel-size", "2",
+                    "--sequence-parallel"], 4, ["--pipeline-model-parallel-size > 1 with TP", "use PP 1 or TP 1"]),
         (DYNAMIC + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4, ["Ulysses", "use p2p"]),
         (DYNAMIC + ["--mtp-num-layers", "1"], 4, ["--mtp-num-layers"]),
         (DYNAMIC + ["--synthetic-task", "passkey"], 4, ["--synthetic-task passkey", "--data-path"]),
         (DYNAMIC + ["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
          ["--moe-token-dispatcher-type allgather", "use --moe-token-dispatcher-type alltoall"]),
+        (DYNAMIC + ["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4,
+         ["--pipeline-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "alltoall"]),
     ],
     ids=["without-per-token-loss", "budget-missing", "budget-too-small", "dp-balanced", "min-size-not-dividing",
          "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "synthetic",
-         "ep-allgather"],
+         "ep-allgather", "pp-allgather"],
 )
 def test_bad_dynamic_cp_flags_name_the_flag(argv, world, must_name):
     message = _error(argv, world)

@@ -84,15 +84,19 @@ def dynamic_cp_problems(args) -> list:
 def _unsupported(args):
     """The combinations dynamic CP does not run yet, each with the reason."""
     out = []
-    if args.pipeline_model_parallel_size > 1:
-        out.append(("--pipeline-model-parallel-size > 1", "not yet (the pipeline's tensor shapes change with every "
-                    "microbatch); use PP 1"))
+    if args.pipeline_model_parallel_size > 1 and args.tensor_model_parallel_size > 1 and args.sequence_parallel:
+        out.append(("--pipeline-model-parallel-size > 1 with TP and --sequence-parallel", "not yet (megatron scatters "
+                    "the routers' padding mask over TP on the first stage only); use PP 1 or TP 1"))
     if (args.ulysses_size or 1) > 1 or (args.cp_comm_type and {"a2a", "a2a+p2p"} & set(args.cp_comm_type)):
         out.append(("Ulysses (--cp-comm-type a2a / a2a+p2p)", "a dynamic group runs the ring or all_gather; use p2p"))
     if args.expert_model_parallel_size > 1 and args.num_experts and args.moe_token_dispatcher_type == "allgather":
         out.append(("--expert-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "the allgather "
                     "dispatcher needs the same token count on every EP rank, and a rank's tokens vary with its "
                     "group; use --moe-token-dispatcher-type alltoall"))
+    elif args.pipeline_model_parallel_size > 1 and args.num_experts and args.moe_token_dispatcher_type == "allgather":
+        out.append(("--pipeline-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "the pipeline "
+                    "sends microbatches of varying length, which megatron-core's allgather dispatcher refuses; use "
+                    "--moe-token-dispatcher-type alltoall"))
     if args.mtp_num_layers:
         out.append(("--mtp-num-layers", "not yet (the shifted labels would cross documents of one group)"))
     if getattr(args, "experimental_attention_variant", None) == "dsa":

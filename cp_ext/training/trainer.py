@@ -251,6 +251,7 @@ class Trainer:
         for name, values in tracked.items():
             values = values.clone()
             dist.all_reduce(values, group=everyone)
+            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())  # each stage its layers
             if name == "z_loss":
                 values *= packs / (everyone.size() * len(self.dynamic_plan.schedule.microbatches))
             out[name] = values

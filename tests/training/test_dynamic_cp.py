@@ -44,6 +44,8 @@ RUNS = {  # 4 ranks each
                    "alltoall"] + M16,
     "cp4_recompute": ["--context-parallel-size", "4", "--recompute-granularity", "full", "--recompute-method",
                       "uniform", "--recompute-num-layers", "1"] + M16,
+    "pp2_cp2": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank",
+                "32", "--moe-token-dispatcher-type", "alltoall"],
     # static CP's sizes through the same path: every document on (at least) 2 ranks
     "dp2cp2_static_sizes": ["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "2",
                             "--max-seqlen-per-dp-cp-rank", "32"],
@@ -59,8 +61,10 @@ PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-
 def _packing(flags):
     """What decides a run's packs: its DP x CP ranks and its scheduler flags; and its model variant."""
     picked = tuple((f, flags[flags.index(f) + 1]) for f in PACKING_FLAGS if f in flags)
-    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
-    return picked + (("world", str(4 // tp)),), next((v for v in VARIANTS if v in flags), None)
+    model_parallel = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        model_parallel *= int(flags[flags.index(flag) + 1]) if flag in flags else 1
+    return picked + (("world", str(4 // model_parallel)),), next((v for v in VARIANTS if v in flags), None)
 
 
 # One process, MLA with the aux loss off (the one term that depends on the packing): the packs of dp2cp2, and
