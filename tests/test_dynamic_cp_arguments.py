@@ -32,10 +32,13 @@ DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-le
          ["--moe-token-dispatcher-type allgather", "use --moe-token-dispatcher-type alltoall"]),
         (DYNAMIC + ["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2"], 4,
          ["--pipeline-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "alltoall"]),
+        (DYNAMIC + ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--recompute-granularity", "full",
+                    "--recompute-method", "uniform", "--recompute-num-layers", "1"], 4,
+         ["--pipeline-model-parallel-size > 1 and --recompute-granularity full", "use PP 1 or no full recompute"]),
     ],
     ids=["without-per-token-loss", "budget-missing", "budget-too-small", "dp-balanced", "min-size-not-dividing",
          "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "synthetic",
-         "ep-allgather", "pp-allgather"],
+         "ep-allgather", "pp-allgather", "pp-full-recompute"],
 )
 def test_bad_dynamic_cp_flags_name_the_flag(argv, world, must_name):
     message = _error(argv, world)

@@ -84,6 +84,13 @@ def dynamic_cp_problems(args) -> list:
 def _unsupported(args):
     """The combinations dynamic CP does not run yet, each with the reason."""
     out = []
+    routers_recomputed = args.recompute_granularity == "full" or (
+        args.recompute_granularity == "selective" and "moe" in (args.recompute_modules or []))
+    if args.pipeline_model_parallel_size > 1 and routers_recomputed:
+        out.append(("--pipeline-model-parallel-size > 1 and --recompute-granularity full (or --recompute-modules moe)",
+                    "not yet (the pipeline runs "
+                    "a later microbatch's forward before an earlier one's recompute, and the routers' group is set "
+                    "per forward); use PP 1 or no full recompute"))
     if args.pipeline_model_parallel_size > 1 and args.tensor_model_parallel_size > 1 and args.sequence_parallel:
         out.append(("--pipeline-model-parallel-size > 1 with TP and --sequence-parallel", "not yet (megatron scatters "
                     "the routers' padding mask over TP on the first stage only); use PP 1 or TP 1"))

@@ -33,7 +33,7 @@ bytes in the communication (`cp_ext.perf.comm.all_gather_bytes`). The default pl
 ``a2a+p2p``: the Ulysses x ring layouts above (U = 1 is the ring).
 
 ``--document-lengths MEDIAN,SIGMA,MIN,MAX`` (a lognormal mix of document lengths) adds dynamic CP's budget
-for the best layout without pipelining: the ``--max-seqlen-per-dp-cp-rank`` whose cp_ext schedule has the
+for the best layout it runs (not PP with TP): the ``--max-seqlen-per-dp-cp-rank`` whose cp_ext schedule has the
 least modelled step over its DP x CP ranks, up to the tokens per rank the layout was sized for
 (`cp_ext.perf.dynamic_cp.suggest_max_seqlen_per_rank`), beside static CP's modelled step on the same documents.
 """
@@ -155,9 +155,9 @@ def _suggest_dynamic_cp(p, args, m, valid):
         p.error(f"--document-lengths {args.document_lengths}: give MEDIAN,SIGMA,MIN,MAX (e.g. 16384,1.5,1024,131072)")
     if high > args.seq_length:
         p.error(f"--document-lengths: MAX {high:.0f} is longer than --seq-length {args.seq_length}, where documents are cut")
-    layout = next((pl for pl in valid if pl.grid.pp == 1), None)
+    layout = next((pl for pl in valid if pl.grid.pp == 1 or pl.grid.tp == 1), None)
     if layout is None:
-        print("dynamic CP: no fitting layout without pipelining (dynamic CP runs at PP 1)")
+        print("dynamic CP: no fitting layout it runs (it does not run pipelining with TP + SP yet)")
         return
     g, model = layout.grid, bench_model_of(m)
     world, ceiling = g.dp * g.cp, args.seq_length // g.cp

@@ -84,7 +84,8 @@ class DynamicRouting:
 
     A padding microbatch adds neither loss; a rank whose share of a group is all padding adds no z loss
     (megatron's mean over no tokens). The settings stay until the next microbatch's forward, so a full recompute
-    in this microbatch's backward sees them too (dynamic CP runs without pipelining)."""
+    in this microbatch's backward sees them too (full recompute is refused under pipelining, which
+    runs later forwards first)."""
 
     def __init__(self, model, config):
         from megatron.core.transformer.moe.router import TopKRouter
