@@ -26,7 +26,6 @@ DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-le
         (DYNAMIC + ["--pipeline-model-parallel-size", "2", "--num-layers", "2", "--tensor-model-parallel-size", "2",
                     "--sequence-parallel"], 4, ["--pipeline-model-parallel-size > 1 with TP", "use PP 1 or TP 1"]),
         (DYNAMIC + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 4, ["Ulysses", "use p2p"]),
-        (DYNAMIC + ["--mtp-num-layers", "1"], 4, ["--mtp-num-layers"]),
         (DYNAMIC + ["--synthetic-task", "passkey"], 4, ["--synthetic-task passkey", "--data-path"]),
         (DYNAMIC + ["--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
          ["--moe-token-dispatcher-type allgather", "use --moe-token-dispatcher-type alltoall"]),
@@ -37,7 +36,7 @@ DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-le
          ["--pipeline-model-parallel-size > 1 and --recompute-granularity full", "use PP 1 or no full recompute"]),
     ],
     ids=["without-per-token-loss", "budget-missing", "budget-too-small", "dp-balanced", "min-size-not-dividing",
-         "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "mtp", "synthetic",
+         "scheduler-without-dynamic", "budget-without-dynamic", "pipeline", "ulysses", "synthetic",
          "ep-allgather", "pp-allgather", "pp-full-recompute"],
 )
 def test_bad_dynamic_cp_flags_name_the_flag(argv, world, must_name):
@@ -57,3 +56,15 @@ def test_megatron_core_0_16_to_0_19_name_turns_it_on_with_megatrons_scheduler():
     assert args.min_dynamic_context_parallel_size == 1
     assert parse_args(DYNAMIC + ["--sequence-packing-scheduler", "balanced"], world_size=4).sequence_packing_scheduler \
         == "balanced"
+
+
+def test_mtp_with_router_losses_needs_megatron_core_0_18():
+    """Before 0.18 megatron's MTP layers take no padding mask, so their routers would count padding."""
+    from cp_ext.megatron_version import at_least, installed
+
+    argv = DYNAMIC + ["--num-experts", "4", "--mtp-num-layers", "1"]
+    if at_least(installed(), "0.18"):
+        assert parse_args(argv, world_size=4).mtp_num_layers == 1
+    else:
+        assert "use megatron-core 0.18+, or --moe-aux-loss-coeff 0" in _error(argv, 4)
+    assert parse_args(argv + ["--moe-aux-loss-coeff", "0"], world_size=4).mtp_num_layers == 1

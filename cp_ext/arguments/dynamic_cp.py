@@ -15,6 +15,7 @@ A sample is then one whole document (`cp_ext.data.variable_length`), cut at --se
 """
 
 from cp_ext.flag_types import POSITIVE
+from cp_ext.megatron_version import at_least, installed
 
 SCHEDULERS = ("dp_balanced", "default_dynamic_cp", "balanced")
 
@@ -104,8 +105,12 @@ def _unsupported(args):
         out.append(("--pipeline-model-parallel-size > 1 and --moe-token-dispatcher-type allgather", "the pipeline "
                     "sends microbatches of varying length, which megatron-core's allgather dispatcher refuses; use "
                     "--moe-token-dispatcher-type alltoall"))
-    if args.mtp_num_layers:
-        out.append(("--mtp-num-layers", "not yet (the shifted labels would cross documents of one group)"))
+    version = installed()
+    if args.mtp_num_layers and args.num_experts and (args.moe_aux_loss_coeff or args.moe_z_loss_coeff) and \
+            version is not None and not at_least(version, "0.18"):
+        out.append((f"--mtp-num-layers and the MoE aux or z loss on megatron-core {version}", "its MTP layers take "
+                    "no padding mask before 0.18, so their routers would count padding; use megatron-core 0.18+, or "
+                    "--moe-aux-loss-coeff 0 and no --moe-z-loss-coeff"))
     if getattr(args, "experimental_attention_variant", None) == "dsa":
         out.append(("--experimental-attention-variant dsa", "not yet"))
     if args.synthetic_task:

@@ -49,6 +49,7 @@ from megatron.core.utils import make_viewless_tensor
 from cp_ext import parallel_state as cp_state
 from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
 from cp_ext.layout import context_parallel_positions
+from cp_ext.transformer.dynamic_cp import dynamic_params
 from cp_ext.transformer.norms import SequenceParallelNorm
 
 
@@ -77,50 +78,69 @@ class GlobalSequence:
     """A [.., s/C] tensor (positions on ``dim``) made whole over the CP group, in global order.
 
     ``shifted(k)`` is this rank's shard of the whole sequence shifted left by k: at global
-    position p the value at p + k, 0 where p + k is past the end (torch.roll with megatron's fill)."""
+    position p the value at p + k, 0 where p + k is past the end (torch.roll with megatron's fill).
+    ``dynamic`` (dynamic CP's `DynamicCPParams`): over the microbatch's group instead, whose sequence is its
+    documents one after another (each padded, `cp_ext.layout.DocumentZigzag`), each shifted on its own, as
+    megatron rolls each sequence of a packed (THD) batch: past a document's padded end is past the end."""
 
-    def __init__(self, local: torch.Tensor, layout: str, dim: int = -1):
+    def __init__(self, local: torch.Tensor, layout: str, dim: int = -1, dynamic=None):
         self.dim = dim % local.dim()
-        self.seq_len = local.shape[self.dim] * _cp_size()
-        self.mine = cp_state.get_context_parallel_positions(self.seq_len, layout, device=local.device)
-        if _cp_size() == 1:
-            self.full = local
-            return
-        positions = group_positions(self.seq_len, layout).to(local.device)
-        assert torch.equal(positions[dist.get_rank(mpu.get_context_parallel_group())], self.mine)  # the same formula
+        self.segments = None
+        if dynamic is not None:
+            self.seq_len, self.mine = dynamic.layout.seq_len, dynamic.positions(device=local.device)
+            ends = torch.tensor(dynamic.layout.lengths, device=local.device).cumsum(0)
+            segment = torch.searchsorted(ends, self.mine, right=True)
+            self.segments = (ends[segment] - torch.tensor(dynamic.layout.lengths, device=local.device)[segment],
+                             ends[segment])  # [start, end) of each of my positions' document
+            if dynamic.size == 1:
+                self.full = local
+                return
+            group = dynamic.cp_group
+            positions = torch.stack([dynamic.layout.positions(r) for r in range(dynamic.size)]).to(local.device)
+        else:
+            self.seq_len = local.shape[self.dim] * _cp_size()
+            self.mine = cp_state.get_context_parallel_positions(self.seq_len, layout, device=local.device)
+            if _cp_size() == 1:
+                self.full = local
+                return
+            group = mpu.get_context_parallel_group()
+            positions = group_positions(self.seq_len, layout).to(local.device)
+        assert torch.equal(positions[dist.get_rank(group)], self.mine)  # the same formula
         shards = [torch.empty_like(local) for _ in range(positions.shape[0])]
-        dist.all_gather(shards, local.contiguous(), group=mpu.get_context_parallel_group())
+        dist.all_gather(shards, local.contiguous(), group=group)
         order = torch.empty_like(positions.view(-1))
         order[positions.view(-1)] = torch.arange(self.seq_len, device=local.device)  # position -> gathered index
         self.full = torch.cat(shards, dim=self.dim).index_select(self.dim, order)
 
-    def shifted(self, k: int) -> torch.Tensor:
+    def shifted(self, k: int, fill=0) -> torch.Tensor:
         target = self.mine + k
-        inside = (target >= 0) & (target < self.seq_len)
+        start, end = (0, self.seq_len) if self.segments is None else self.segments
+        inside = (target >= start) & (target < end)
         out = self.full.index_select(self.dim, target.clamp(0, self.seq_len - 1))
         shape = [1] * out.dim()
         shape[self.dim] = -1
-        return torch.where(inside.view(shape), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return torch.where(inside.view(shape), out, torch.full((), fill, dtype=out.dtype, device=out.device))
 
 
 class _RollLeft(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, layout, dim):
-        ctx.layout, ctx.dim = layout, dim
-        return GlobalSequence(tensor, layout, dim).shifted(1)
+    def forward(ctx, tensor, layout, dim, dynamic):
+        ctx.layout, ctx.dim, ctx.dynamic = layout, dim, dynamic
+        return GlobalSequence(tensor, layout, dim, dynamic).shifted(1)
 
     @staticmethod
     def backward(ctx, grad):
         # out[p] = in[p + 1], so d in[q] = d out[q - 1] (0 at q = 0): the same exchange, shifted right.
-        return GlobalSequence(grad, ctx.layout, ctx.dim).shifted(-1), None, None
+        return GlobalSequence(grad, ctx.layout, ctx.dim, ctx.dynamic).shifted(-1), None, None, None
 
 
-def roll_left(tensor: torch.Tensor, layout: str, dim: int = -1) -> torch.Tensor:
+def roll_left(tensor: torch.Tensor, layout: str, dim: int = -1, dynamic=None, fill=0) -> torch.Tensor:
     """megatron's ``roll_tensor(tensor, shifts=-1)[0]`` over the whole CP-sharded sequence (see the
-    module doc), for this rank's shard: value at global position p + 1, 0 at the last position."""
+    module doc), for this rank's shard: value at global position p + 1, ``fill`` at the last position.
+    ``dynamic``: over dynamic CP's group of this microbatch, each document on its own (`GlobalSequence`)."""
     if tensor.requires_grad:
-        return _RollLeft.apply(tensor, layout, dim)
-    return GlobalSequence(tensor, layout, dim).shifted(1)
+        return _RollLeft.apply(tensor, layout, dim, dynamic)
+    return GlobalSequence(tensor, layout, dim, dynamic).shifted(1, fill)
 
 
 def megatron_roll_error(tensor: torch.Tensor, layout: str, dim: int = -1) -> int:
@@ -138,19 +158,19 @@ class ContextParallelMTPLayer(MultiTokenPredictionLayer):
 
     def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None,
                         padding_mask=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("cp_ext does not support packed (thd) sequences")
+        dynamic = dynamic_params(packed_seq_params)  # dynamic CP: the roll crosses this microbatch's group
         layout = getattr(self.config, "cp_layout", "zigzag")
-        if position_ids.shape == input_ids.shape and position_ids.dtype == input_ids.dtype:
-            input_ids, position_ids = roll_left(torch.stack([input_ids, position_ids]), layout).unbind(0)  # one gather
+        if position_ids.shape == input_ids.shape and position_ids.dtype == input_ids.dtype:  # one gather
+            input_ids, position_ids = roll_left(torch.stack([input_ids, position_ids]), layout, dynamic=dynamic).unbind(0)
         else:
-            input_ids, position_ids = roll_left(input_ids, layout), roll_left(position_ids, layout)
+            input_ids, position_ids = roll_left(input_ids, layout, dynamic=dynamic), roll_left(position_ids, layout,
+                                                                                               dynamic=dynamic)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         if not MTP_EMBEDDINGS_CARRY_PADDING_MASK:  # 0.16, 0.17
             return input_ids, position_ids, decoder_input, hidden_states
-        if padding_mask is not None:
-            padding_mask = roll_left(padding_mask, layout)
+        if padding_mask is not None:  # dynamic CP: past a document's end is padding (its routers leave it out)
+            padding_mask = roll_left(padding_mask, layout, dynamic=dynamic, fill=dynamic is not None)
         return input_ids, position_ids, padding_mask, decoder_input, hidden_states
 
 
@@ -195,15 +215,17 @@ class MTPLosses:
 def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                          rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, attention_mask=None,
                          inference_params=None, packed_seq_params=None, sequence_len_offset=None,
-                         runtime_gather_output=None, extra_block_kwargs=None, inference_context=None, **_):
+                         runtime_gather_output=None, extra_block_kwargs=None, inference_context=None,
+                         padding_mask=None, **_):
     """`GPTModel._postprocess` with MTP (training and evaluation), its rolls CP-aware.
 
     megatron's MTP part of `_postprocess`, with `roll_left` for labels and loss mask, the
     per-token loss path only, and the (sum, count) recorded for logging. Without labels (logits:
     generation) the MTP layers are skipped: their outputs only feed the MTP losses, and megatron's
     own path would fail there (it clones the absent labels)."""
-    if packed_seq_params is not None or inference_context is not None:
-        raise NotImplementedError("cp_ext's MTP supports neither packed sequences nor megatron's inference contexts")
+    if inference_context is not None:
+        raise NotImplementedError("cp_ext's MTP does not support megatron's inference contexts")
+    dynamic = dynamic_params(packed_seq_params)  # None, or dynamic CP's microbatch (THD packing is refused)
     output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     depths = model.config.mtp_num_layers
     if mtp_in_postprocess and labels is not None:
@@ -211,7 +233,9 @@ def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, label
             input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states, attention_mask=attention_mask,
             inference_params=inference_params, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-            sequence_len_offset=sequence_len_offset, embedding=model.embedding, **(extra_block_kwargs or {}))
+            sequence_len_offset=sequence_len_offset, embedding=model.embedding, **(extra_block_kwargs or {}),
+            # 0.18+: the MTP layers' routers leave padding out too (dynamic CP passes the mask)
+            **({"padding_mask": padding_mask} if padding_mask is not None else {}))
     if not model.post_process:
         return hidden_states
     if labels is None:
@@ -222,7 +246,7 @@ def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, label
     hidden_states = chunks[0]
     layout = getattr(model.config, "cp_layout", "zigzag")
     mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
-    all_labels, all_mask = GlobalSequence(labels, layout), GlobalSequence(mask, layout)  # one gather each
+    all_labels, all_mask = GlobalSequence(labels, layout, dynamic=dynamic), GlobalSequence(mask, layout, dynamic=dynamic)
     scale = model.config.mtp_loss_scaling_factor / depths
     for depth in range(depths):
         logits, _ = model.output_layer(chunks[depth + 1], weight=output_weight,

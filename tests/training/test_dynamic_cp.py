@@ -8,8 +8,8 @@ microbatch (the schedule's groups: the aux loss balances experts over a pack, so
 model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
 parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
-GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), and static CP's sizes (every document on 2
-ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
+GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, PP2, and static CP's sizes (every
+document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
 """
 
 import dataclasses
@@ -20,10 +20,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from cp_ext.megatron_version import at_least, installed  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 from tests.training.test_grid_equivalence import MLA_FLAGS, WINDOW_FLAGS, _assert_same, _gather, _grad_slices  # noqa: E402
 
 SEQ = 64
+MTP_PADDING_MASK = at_least(installed(), "0.18")
 MODEL = [
     "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
@@ -33,6 +35,7 @@ MODEL = [
     "--clip-grad", "1.0", "--dynamic-context-parallel", "--calculate-per-token-loss", "--split", "100,0,0",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
 ]
+MTP = ["--mtp-num-layers", "2"] + ([] if MTP_PADDING_MASK else ["--moe-aux-loss-coeff", "0"])
 M16 = ["--max-seqlen-per-dp-cp-rank", "16"]  # 4 DP x CP ranks: groups of 1 (<= 16 tokens), 2 (<= 32) and 4
 RUNS = {  # 4 ranks each
     "dp2cp2": ["--context-parallel-size", "2"] + M16,
@@ -53,8 +56,11 @@ RUNS = {  # 4 ranks each
     # MLA (q-LoRA, qk-layernorm, YaRN) with its RoPE at per-document positions: the latent ring and per-head K/V
     "dp2cp2_mla_latent": ["--context-parallel-size", "2", "--cp-mla-exchange", "latent"] + M16 + MLA_FLAGS,
     "dp2cp2_mla_kv": ["--context-parallel-size", "2", "--cp-mla-exchange", "kv"] + M16 + MLA_FLAGS,
+    # MTP: each depth's shift of ids, labels and loss mask crosses the group's ranks (its pack's sequence); before
+    # megatron-core 0.18 its layers' routers take no padding mask, so there without the router losses
+    "dp2cp2_mtp": ["--context-parallel-size", "2"] + M16 + MTP,
 }
-VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS}  # other models than MODEL's
+VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP}
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler")
 
 
@@ -214,6 +220,14 @@ def _same_packs(dynamic_of_run, alone=False):
     return original, plan_step
 
 
+def _model(flags):
+    """MODEL for a run's flags: before megatron-core 0.18 an MTP run trains without the router losses."""
+    if "--mtp-num-layers" in flags and not MTP_PADDING_MASK:
+        at = MODEL.index("--moe-z-loss-coeff")
+        return MODEL[:at] + MODEL[at + 2:]
+    return MODEL
+
+
 def _train(args):
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
@@ -224,6 +238,8 @@ def _train(args):
     history, grads, sizes = {"lm loss": [], "load balancing loss": [], "z loss": [], "grad norm": []}, None, set()
     for _ in range(2):
         metrics = trainer.train_step()
+        for key in [k for k in metrics if k.startswith("mtp_")]:
+            history.setdefault(key, [])
         for key in history:
             history[key].append(metrics.get(key, 0.0))
         sizes |= {int(k.rsplit(" ", 1)[1]) for k in metrics if k.startswith("dynamic cp documents at size")}
@@ -283,7 +299,8 @@ def worker():
             original, dynamic_batches.plan_step = _same_packs(lambda d: dataclasses.replace(
                 d, world=int(picked["world"]), max_tokens_per_rank=budget, min_size=smallest))
             try:
-                results[name], grads = _train(MODEL + REFERENCES[name][1] + ["--data-path", extra.docs])
+                results[name], grads = _train(_model(REFERENCES[name][1]) + REFERENCES[name][1]
+                                              + ["--data-path", extra.docs])
             finally:
                 dynamic_batches.plan_step = original
         elif name in ALONE:
@@ -294,7 +311,7 @@ def worker():
             finally:
                 dynamic_batches.plan_step = original
         else:
-            results[name], grads = _train(MODEL + RUNS[name] + ["--data-path", extra.docs])
+            results[name], grads = _train(_model(RUNS[name]) + RUNS[name] + ["--data-path", extra.docs])
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     if "dp2cp2" in results:
         results["dp2cp2_resumed"] = _resume(MODEL + RUNS["dp2cp2"] + ["--data-path", extra.docs],
