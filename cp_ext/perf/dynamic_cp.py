@@ -104,11 +104,21 @@ def _chunk_pairs(length: int, lo: int, hi: int) -> int:
     return (hi * (hi + 1) - lo * (lo + 1)) // 2 if hi > lo else 0
 
 
-def zigzag_pairs(length: int, size: int) -> List[int]:
-    """Each rank's causal pairs of one document zigzagged over ``size`` ranks on its own (`DocumentZigzag`)."""
+def zigzag_pairs(length: int, size: int, padding: bool = False) -> List[int]:
+    """Each rank's causal pairs of one document zigzagged over ``size`` ranks on its own (`DocumentZigzag`).
+    ``padding``: also the pairs of its padding tail, a document of its own the kernels compute too (what the
+    ring's work counter reports; the model's cost leaves them out)."""
     chunk = -(-length // (2 * size))
-    return [_chunk_pairs(length, r * chunk, (r + 1) * chunk)
-            + _chunk_pairs(length, (2 * size - 1 - r) * chunk, (2 * size - r) * chunk) for r in range(size)]
+    tail = 2 * size * chunk - length
+
+    def pairs(lo, hi):
+        out = _chunk_pairs(length, lo, hi)
+        if padding:  # the tail's positions length + t count t + 1 keys
+            out += _chunk_pairs(tail, max(lo - length, 0), max(hi - length, 0))
+        return out
+
+    return [pairs(r * chunk, (r + 1) * chunk) + pairs((2 * size - 1 - r) * chunk, (2 * size - r) * chunk)
+            for r in range(size)]
 
 
 def dynamic_counts(schedule: Schedule, model: BenchModel) -> Counts:

@@ -27,6 +27,8 @@ def test_a_document_zigzag_counts_its_causal_pairs(length, size):
     assert len(pairs) == size and sum(pairs) == length * (length + 1) // 2
     if length % (2 * size) == 0:  # no padding: every rank the same share
         assert len(set(pairs)) == 1
+    tail = -length % (2 * size)
+    assert sum(zigzag_pairs(length, size, padding=True)) == sum(pairs) + tail * (tail + 1) // 2
 
 
 def test_every_plan_counts_the_same_pairs():

@@ -127,6 +127,8 @@ def runs(documents):
             done[world] = {n: _gather_run(results, n, world) for n in names}
             done[world].update({k: v for k, v in results[0].items() if k.startswith("dp2cp2_")
                                 and k not in RUNS})
+            if world == 4:
+                done[world]["dp2cp2_all ranks"] = [results[r]["dp2cp2"] for r in sorted(results)]
         return done[world][name]
 
     return get
@@ -184,6 +186,21 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(runs):
         assert resumed[key] == uninterrupted[key][1], (key, resumed[key], uninterrupted[key][1])
 
 
+def test_counted_pairs_equal_the_ring_s_work_counter(runs):
+    """`cp_ext.perf.dynamic_cp`'s count (the benchmark's) against what the ring counted computing on every rank:
+    each layer's forward over the documents of the rank's groups of 2 and 4 (a group of 1 runs locally)."""
+    from cp_ext.perf.dynamic_cp import zigzag_pairs
+
+    _, results = runs("dp2cp2"), runs("dp2cp2_all ranks")
+    for rank, result in enumerate(results):
+        expected = 0
+        for groups in result["plan 1"]:
+            for first, size, lengths in groups:
+                if size > 1 and first <= rank < first + size:
+                    expected += sum(zigzag_pairs(n, size, padding=True)[rank - first] for n in lengths)
+        assert expected > 0 and result["ring pairs"] == 2 * expected, (rank, result["ring pairs"], expected)
+
+
 def test_windows_change_training(runs):
     assert abs(runs("dp2cp2_windows")[0]["lm loss"][1] - runs("dp2cp2")[0]["lm loss"][1]) > 1e-4
 
@@ -236,8 +253,15 @@ def _train(args):
 
     trainer = Trainer(parse_args(args))
     history, grads, sizes = {"lm loss": [], "load balancing loss": [], "z loss": [], "grad norm": []}, None, set()
-    for _ in range(2):
-        metrics = trainer.train_step()
+    from cp_ext.perf.counter import count_work
+
+    for step in range(2):
+        with count_work() as counted:
+            metrics = trainer.train_step()
+        if step == 0:  # what the ring computed (forward), beside the plan it ran (test_counted_pairs_...)
+            first = {"ring pairs": counted.bytes["pairs"],
+                     "plan 1": [[(g.first, g.size, [trainer.dynamic_plan.lengths[d] for d in g.documents])
+                                 for g in mb.groups] for mb in trainer.dynamic_plan.schedule.microbatches]}
         for key in [k for k in metrics if k.startswith("mtp_")]:
             history.setdefault(key, [])
         for key in history:
@@ -246,6 +270,7 @@ def _train(args):
         if grads is None:
             grads = _grad_slices(trainer.model[0].module)
     history["sizes"] = sorted(sizes)
+    history.update(first)
     history["plan"] = {k: v for k, v in metrics.items() if k.startswith("dynamic cp ")}
     history["plan"]["lengths"] = getattr(trainer, "dynamic_plan").lengths
     history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
