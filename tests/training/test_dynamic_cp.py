@@ -60,17 +60,23 @@ RUNS = {  # 4 ranks each
     # megatron-core 0.18 its layers' routers take no padding mask, so there without the router losses
     "dp2cp2_mtp": ["--context-parallel-size", "2"] + M16 + MTP,
 }
+# 6 ranks: cp_ext's scheduler makes groups of 3 (and 6), sizes that are not powers of two
+RUNS_6 = {"dp3cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced",
+                              "--global-batch-size", "12", "--max-seqlen-per-dp-cp-rank", "11"]}
+WORLD = {**{name: 4 for name in RUNS}, **{name: 6 for name in RUNS_6}}
+RUNS.update(RUNS_6)
 VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP}
-PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler")
+PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler",
+                 "--global-batch-size")
 
 
-def _packing(flags):
+def _packing(flags, world):
     """What decides a run's packs: its DP x CP ranks and its scheduler flags; and its model variant."""
     picked = tuple((f, flags[flags.index(f) + 1]) for f in PACKING_FLAGS if f in flags)
     model_parallel = 1
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
         model_parallel *= int(flags[flags.index(flag) + 1]) if flag in flags else 1
-    return picked + (("world", str(4 // model_parallel)),), next((v for v in VARIANTS if v in flags), None)
+    return picked + (("world", str(world // model_parallel)),), next((v for v in VARIANTS if v in flags), None)
 
 
 # One process, MLA with the aux loss off (the one term that depends on the packing): the packs of dp2cp2, and
@@ -80,17 +86,17 @@ ALONE = {"mla_packed": False, "mla_alone": True}
 ALONE_FLAGS = ["--max-seqlen-per-dp-cp-rank", str(SEQ), "--moe-aux-loss-coeff", "0"] + MLA_FLAGS
 
 REFERENCES = {}  # the single-process runs: "ref<i>" -> (packing, flags)
-for _flags in RUNS.values():
-    key = _packing(_flags)
+for _name, _flags in RUNS.items():
+    key = _packing(_flags, WORLD[_name])
     if key not in [v[0] for v in REFERENCES.values()]:
         picked, variant = key
-        scheduler = [x for f, v in picked if f == "--sequence-packing-scheduler" for x in (f, v)]
+        scheduler = [x for f, v in picked if f in ("--sequence-packing-scheduler", "--global-batch-size") for x in (f, v)]
         REFERENCES[f"ref{len(REFERENCES)}"] = (key, ["--max-seqlen-per-dp-cp-rank", str(SEQ)] + scheduler
                                                + VARIANTS.get(variant, []))
 
 
 def reference_of(name):
-    return next(ref for ref, (key, _) in REFERENCES.items() if key == _packing(RUNS[name]))
+    return next(ref for ref, (key, _) in REFERENCES.items() if key == _packing(RUNS[name], WORLD[name]))
 
 
 def write_documents(prefix, num_documents=200, seed=3):
@@ -120,9 +126,10 @@ def runs(documents):
     done = {}
 
     def get(name):
-        world = 1 if name in REFERENCES or name in ALONE else 4  # a run, or what the 4-rank launch adds
+        # a single-process run, a run of 4 or 6 ranks, or what the 4-rank launch adds (dp2cp2_resumed, ...)
+        world = 1 if name in REFERENCES or name in ALONE else WORLD.get(name, 4)
         if world not in done:
-            names = list(REFERENCES) + list(ALONE) if world == 1 else list(RUNS)
+            names = list(REFERENCES) + list(ALONE) if world == 1 else [n for n in RUNS if WORLD[n] == world]
             results = launch(__file__, world, "--runs", ",".join(names), "--docs", documents, timeout=900)
             done[world] = {n: _gather_run(results, n, world) for n in names}
             done[world].update({k: v for k, v in results[0].items() if k.startswith("dp2cp2_")
@@ -145,7 +152,9 @@ def test_dynamic_cp_matches_single_process(name, runs):
 
 
 def test_documents_run_on_every_group_size(runs):
-    """The corpus and budget exercise CP 1, 2 and 4 in the same step; static sizes never use 1."""
+    """The corpus and budget exercise CP 1, 2 and 4 in the same step (1, 2, 3 and 6 at 6 ranks with cp_ext's
+    scheduler); static sizes never use 1."""
+    assert 3 in runs("dp3cp2_balanced")[0]["sizes"], runs("dp3cp2_balanced")[0]["sizes"]
     assert {1, 2, 4} <= set(runs("dp2cp2")[0]["sizes"]), runs("dp2cp2")[0]["sizes"]
     assert {1, 2, 4} <= set(runs("dp2cp2_balanced")[0]["sizes"]), runs("dp2cp2_balanced")[0]["sizes"]
     assert 1 not in runs("dp2cp2_static_sizes")[0]["sizes"]
