@@ -9,6 +9,11 @@ The mix: lognormal lengths with Megatron's example's sigma (1.5; examples' --dyn
 2048, 32 heads of 128, 4 KV groups, 8 of 128 experts of 768, 48 layers). What each number means and the model
 of a step: `cp_ext.perf.dynamic_cp`. These are counts and a model, not timings: on a 2-core machine the
 ranks share cores, so wall time cannot show a rank's imbalance.
+
+``--timed`` also times what a CPU can show, with no communication: every rank's attention forward of each
+microbatch, one rank at a time on one thread (fused SDPA over exactly the causal pairs of its runs of queries,
+4 heads of 64), summed as the lockstep step (each microbatch's slowest rank), beside the counted pairs of the
+same plans; at lengths / ``--timed-scale`` (default 16), which a CPU computes in seconds.
 """
 
 import argparse
@@ -39,6 +44,8 @@ def parse(argv=None):
     p.add_argument("--moe-router-topk", type=int, default=8)
     p.add_argument("--tflops", type=float, default=400.0, help="effective dense bf16 rate per GPU")
     p.add_argument("--link-gbps", type=float, default=200.0, help="ring link, GB/s per direction")
+    p.add_argument("--timed", action="store_true", help="also time each rank's attention on this CPU (scaled mix)")
+    p.add_argument("--timed-scale", type=int, default=16, help="--timed: lengths, budgets and --seq-length over this")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -67,11 +74,29 @@ def main(argv=None):
     for plan, r in summary.items():
         r["speed-up over static"] = static / r["modelled step (s)"]
         print(f"{plan:10s} {r['microbatches']:12.1f} {r['pairs max/mean']:15.3f} {r['bytes max/mean']:15.3f} "
-              f"{r['bytes sent (GB, all ranks, per layer)']:14.1f} {r['step / balanced']:14.3f} {r['modelled step (s)']:11.1f} "
+              f"{r['bytes sent (GB, all ranks, per layer)']:14.1f} {r['step / balanced']:14.3f} "
+              f"{r['modelled step (s)']:11.1f} "
               f"{r['speed-up over static']:9.2f}")
+    timed = _timed(a, model, hw) if a.timed else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"summary": summary, "steps": steps}, f, indent=1)
+            json.dump({"summary": summary, "steps": steps, "timed": timed}, f, indent=1)
+
+
+def _timed(a, model, hw):
+    """The same plans at lengths / --timed-scale: counted pairs in lockstep against the timed attention step."""
+    k = a.timed_scale
+    lengths = lognormal_lengths(a.documents, a.median / k, a.sigma, a.min_length // k, a.max_length // k, a.seed)
+    result = compare(lengths, world=a.world, static_cp=a.context_parallel_size, seq_length=a.seq_length // k,
+                     max_tokens_per_rank=a.max_seqlen_per_dp_cp_rank // k, model=model, hw=hw, timed_heads=4)
+    print(f"timed at lengths / {k} (one step, {a.documents} documents, median {a.median / k:.0f}), attention "
+          f"forward only, each rank in turn on one thread, no communication:")
+    print(f"{'plan':10s} {'pairs step (M)':>15s} {'x static':>9s} {'timed step (s)':>15s} {'x static':>9s}")
+    for plan, r in result.items():
+        print(f"{plan:10s} {r['pairs step'] / 1e6:15.1f} {result['static']['pairs step'] / r['pairs step']:9.2f} "
+              f"{r['timed attention step (s)']:15.2f} "
+              f"{result['static']['timed attention step (s)'] / r['timed attention step (s)']:9.2f}")
+    return result
 
 
 if __name__ == "__main__":

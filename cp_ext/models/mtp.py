@@ -161,7 +161,8 @@ class ContextParallelMTPLayer(MultiTokenPredictionLayer):
         dynamic = dynamic_params(packed_seq_params)  # dynamic CP: the roll crosses this microbatch's group
         layout = getattr(self.config, "cp_layout", "zigzag")
         if position_ids.shape == input_ids.shape and position_ids.dtype == input_ids.dtype:  # one gather
-            input_ids, position_ids = roll_left(torch.stack([input_ids, position_ids]), layout, dynamic=dynamic).unbind(0)
+            both = roll_left(torch.stack([input_ids, position_ids]), layout, dynamic=dynamic)
+            input_ids, position_ids = both.unbind(0)
         else:
             input_ids, position_ids = roll_left(input_ids, layout, dynamic=dynamic), roll_left(position_ids, layout,
                                                                                                dynamic=dynamic)
@@ -246,7 +247,8 @@ def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, label
     hidden_states = chunks[0]
     layout = getattr(model.config, "cp_layout", "zigzag")
     mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
-    all_labels, all_mask = GlobalSequence(labels, layout, dynamic=dynamic), GlobalSequence(mask, layout, dynamic=dynamic)
+    all_labels = GlobalSequence(labels, layout, dynamic=dynamic)  # one gather each
+    all_mask = GlobalSequence(mask, layout, dynamic=dynamic)
     scale = model.config.mtp_loss_scaling_factor / depths
     for depth in range(depths):
         logits, _ = model.output_layer(chunks[depth + 1], weight=output_weight,

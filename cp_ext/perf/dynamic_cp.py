@@ -173,15 +173,21 @@ def static_counts(lengths: Sequence[int], world: int, cp: int, seq_length: int, 
     return Counts(pairs, tokens, sent)
 
 
+def schedules(lengths: Sequence[int], world: int, max_tokens_per_rank: int, model: BenchModel) -> Dict[str, Schedule]:
+    """The two dynamic plans of the documents: Megatron-LM's and cp_ext's."""
+    return {"megatron": megatron_schedule(lengths, world, max_tokens_per_rank),
+            "cp_ext": balanced_schedule(lengths, world, max_tokens_per_rank, group_sizes(world), model.cost())}
+
+
 def compare(lengths: Sequence[int], *, world: int, static_cp: int, seq_length: int, max_tokens_per_rank: int,
-            model: BenchModel, hw: Hardware = Hardware()) -> Dict[str, dict]:
-    """{plan: its counted balance, bytes and modelled step} for the three plans of the same documents."""
-    plans = {
-        "static": static_counts(lengths, world, static_cp, seq_length, model),
-        "megatron": dynamic_counts(megatron_schedule(lengths, world, max_tokens_per_rank), model),
-        "cp_ext": dynamic_counts(balanced_schedule(lengths, world, max_tokens_per_rank, group_sizes(world),
-                                                   model.cost()), model),
-    }
+            model: BenchModel, hw: Hardware = Hardware(), timed_heads: int = 0) -> Dict[str, dict]:
+    """{plan: its counted balance, bytes and modelled step} for the three plans of the same documents.
+    ``timed_heads``: also time each rank's attention on this CPU (`timed_attention_step`, that many heads)."""
+    dynamic = schedules(lengths, world, max_tokens_per_rank, model)
+    plans = {"static": static_counts(lengths, world, static_cp, seq_length, model),
+             **{name: dynamic_counts(sch, model) for name, sch in dynamic.items()}}
+    segments = {"static": lambda: static_segments(lengths, world, static_cp, seq_length),
+                **{name: (lambda sch=sch: dynamic_segments(sch)) for name, sch in dynamic.items()}}
     base = plans["static"].step(model, hw)
     out = {}
     for name, c in plans.items():
@@ -197,7 +203,11 @@ def compare(lengths: Sequence[int], *, world: int, static_cp: int, seq_length: i
             # at every microbatch and uneven ranks cost
             "step / balanced": step * c.pairs.shape[1] / float(c.seconds(model, hw).sum()),
             "speed-up over static": base / step,
+            # attention alone in lockstep: the sum over microbatches of the most pairs on a rank
+            "pairs step": float(c.pairs.max(axis=1).sum()),
         }
+        if timed_heads:
+            out[name]["timed attention step (s)"] = timed_attention_step(segments[name](), heads=timed_heads)
     return out
 
 
@@ -236,3 +246,72 @@ def suggest_max_seqlen_per_rank(batches: Sequence[Sequence[int]], *, world: int,
         table.append((m, sum(steps)))
     best = min(s for _, s in table)
     return next(m for m, s in table if s <= best * 1.01), table
+
+
+# ---------------------------------------------------------------- measured: each rank's attention, one at a time
+
+def _zigzag_segments(length: int, size: int, rank: int) -> List[tuple]:
+    """The rank's query runs of one document on its own zigzag, document-relative [start, end)."""
+    chunk = -(-length // (2 * size))
+    runs = [(j * chunk, min((j + 1) * chunk, length)) for j in (rank, 2 * size - 1 - rank)]
+    return [(a, b) for a, b in runs if b > a]
+
+
+def dynamic_segments(schedule: Schedule) -> List[List[List[tuple]]]:
+    """[microbatch][rank]: the (query start, query end) runs inside their documents each rank computes."""
+    out = []
+    for mb in schedule.microbatches:
+        row = [[] for _ in range(schedule.world)]
+        for g in mb.groups:
+            for d in g.documents:
+                for r in g.ranks:
+                    row[r] += _zigzag_segments(schedule.lengths[d], g.size, r - g.first)
+        out.append(row)
+    return out
+
+
+def static_segments(lengths: Sequence[int], world: int, cp: int, seq_length: int) -> List[List[List[tuple]]]:
+    """The same for static CP: each packed sequence's zigzag over its CP group, cut at document bounds."""
+    dp, chunk = world // cp, seq_length // (2 * cp)
+    sequences = pack_sequences(lengths, seq_length)
+    out = [[[] for _ in range(world)] for _ in range(-(-len(sequences) // dp))]
+    for n, docs in enumerate(sequences):
+        starts = np.cumsum([0] + [lengths[d] for d in docs])
+        for r in range(cp):
+            for lo, hi in ((r * chunk, (r + 1) * chunk), ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)):
+                for i in range(len(docs)):  # the documents this chunk overlaps, in their own coordinates
+                    a, b = max(lo, starts[i]), min(hi, starts[i + 1])
+                    if b > a:
+                        out[n // dp][(n % dp) * cp + r].append((int(a - starts[i]), int(b - starts[i])))
+    return out
+
+
+def timed_attention_step(segments, heads: int = 4, head_dim: int = 64, repeats: int = 3) -> float:
+    """Seconds of the modelled lockstep step with each rank's attention forward timed on this CPU, one rank at
+    a time: the sum over microbatches of the slowest rank. A run of queries [a, b) of a document attends its
+    keys [0, a) in full and [a, b) causally (two fused calls: the causal pairs exactly); each rank the best of
+    ``repeats``. No communication."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    longest = max((b for row in segments for rank in row for _, b in rank), default=1)
+    g = torch.Generator().manual_seed(0)
+    q_all, k_all, v_all = (torch.randn(1, heads, longest, head_dim, generator=g) for _ in range(3))
+    total = 0.0
+    for row in segments:
+        times = []
+        for runs in row:
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for a, b in runs:
+                    q = q_all[:, :, a:b]
+                    F.scaled_dot_product_attention(q, k_all[:, :, a:b], v_all[:, :, a:b], is_causal=True)
+                    if a:
+                        F.scaled_dot_product_attention(q, k_all[:, :, :a], v_all[:, :, :a])
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+        total += max(times)
+    return total

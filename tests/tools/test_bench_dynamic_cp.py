@@ -13,7 +13,7 @@ import pytest
 from cp_ext.data.dynamic_schedule import Group, Microbatch, Schedule
 from cp_ext.perf.dynamic_cp import (
     BenchModel, Counts, Hardware, compare, dynamic_counts, lognormal_lengths, pack_sequences, static_counts,
-    suggest_max_seqlen_per_rank, zigzag_pairs,
+    dynamic_segments, schedules, static_segments, suggest_max_seqlen_per_rank, timed_attention_step, zigzag_pairs,
 )
 from tests.launch import REPO_ROOT
 
@@ -93,3 +93,16 @@ def test_the_planner_suggests_a_budget(capsys):
                  "--document-lengths", "4096,1.5,256,32768"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("dynamic CP on TP") and "--max-seqlen-per-dp-cp-rank " in line and "static CP" in line, line
+
+
+def test_the_timed_runs_are_the_counted_pairs():
+    """What --timed computes per rank (runs of queries inside their documents) covers exactly the counted pairs."""
+    def pairs(segments):
+        return np.array([[sum((b * (b + 1) - a * (a + 1)) // 2 for a, b in runs) for runs in row] for row in segments])
+
+    lengths = lognormal_lengths(48, 512, 1.5, 32, 4096, seed=3)
+    for name, schedule in schedules(lengths, 8, 1024, MODEL).items():
+        assert (pairs(dynamic_segments(schedule)) == dynamic_counts(schedule, MODEL).pairs).all(), name
+    assert (pairs(static_segments(lengths, 8, 4, 4096)) == static_counts(lengths, 8, 4, 4096, MODEL).pairs).all()
+    step = timed_attention_step([[[(0, 64)], [(0, 32), (96, 128)]]], heads=2, head_dim=16, repeats=1)
+    assert 0 < step < 10
