@@ -290,7 +290,18 @@ def timed_attention_step(segments, heads: int = 4, head_dim: int = 64, repeats: 
     """Seconds of the modelled lockstep step with each rank's attention forward timed on this CPU, one rank at
     a time: the sum over microbatches of the slowest rank. A run of queries [a, b) of a document attends its
     keys [0, a) in full and [a, b) causally (two fused calls: the causal pairs exactly); each rank the best of
-    ``repeats``. No communication."""
+    ``repeats``; one thread (one rank's, whatever else the machine runs). No communication."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _timed_step(segments, heads, head_dim, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_step(segments, heads, head_dim, repeats):
     import time
 
     import torch
