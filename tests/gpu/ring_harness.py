@@ -11,7 +11,8 @@ memory directly (its point-to-point never stages CUDA tensors), so what the ring
 through host memory (`_through_host`; on the CPU too, so the suite runs that path).
 
 A case is a dict: ``name``, ``kernel`` (a `KERNELS` name), ``dtype`` ("fp64" ...), ``causal``,
-``gqa`` (GQA 8/2, else MHA 8/8), ``docs`` (packed `document_ids`), ``s`` (default 200) and
+``gqa`` (GQA 8/2, else MHA 8/8), ``docs`` (packed `document_ids`), ``per_document`` (dynamic CP's layout:
+the documents of `PER_DOCUMENT`, each zigzagged over the ring on its own), ``s`` (default 200) and
 ``hook``: None, or "module:function", called on every rank as ``function(kernel, report)``
 around the case: a context manager that yields the kernel to run (a broken one, a fake, or the
 same) and may fill the dict ``report`` (each rank's, returned with the case). A kernel that
@@ -36,7 +37,7 @@ import torch
 from cp_ext.attention.kernels import get_kernel
 from cp_ext.attention.ring import ring_attn_backward, ring_attn_forward
 from cp_ext.attention.utils import accum_dtype
-from cp_ext.layout import zigzag_positions
+from cp_ext.layout import DocumentZigzag, zigzag_positions
 from tests.gpu.one_device import (DTYPES, SIM, document_attention, document_ids, inputs, max_err,
                                   reference_errors, single_device)
 from tests.gpu.rows import FAIL, judge, row
@@ -46,8 +47,20 @@ from tests.launch import launch, session_dir
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
-def ring_case(name, kernel, dtype, causal, gqa, docs=False, s=SIM["s"], hook=None):
-    return dict(name=name, kernel=kernel, dtype=dtype, causal=causal, gqa=gqa, docs=docs, s=s, hook=hook)
+# Dynamic CP's layout: documents of these lengths (multiples of 2 x C, summing to s), each zigzagged over the ring
+# on its own (`cp_ext.layout.DocumentZigzag`), with their ids
+PER_DOCUMENT = (48, 104, 8, 40)
+
+
+def ring_case(name, kernel, dtype, causal, gqa, docs=False, s=SIM["s"], hook=None, per_document=False):
+    return dict(name=name, kernel=kernel, dtype=dtype, causal=causal, gqa=gqa, docs=docs, s=s, hook=hook,
+                per_document=per_document)
+
+
+def _per_document_ids(s):
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(PER_DOCUMENT)])
+    assert ids.numel() == s, (PER_DOCUMENT, s)
+    return torch.stack([ids, ids])
 
 
 def ring_row(check, dtype, result):
@@ -146,15 +159,17 @@ def _run_case(case, device, rank, size):
     """This rank's part of one case: its shard through the library's ring (out, lse, dq, dk, dv as
     float64 CPU tensors, in kernel layout), whether they came back in the right dtypes, and any error."""
     dtype, s = DTYPES[case["dtype"]], case["s"]
-    pos = zigzag_positions(s, rank, size)
+    layout = DocumentZigzag(PER_DOCUMENT, size) if case.get("per_document") else "zigzag"
+    pos = layout.positions(rank) if case.get("per_document") else zigzag_positions(s, rank, size)
     local = lambda x: x.permute(2, 0, 1, 3).index_select(0, pos).to(device, dtype).permute(1, 2, 0, 3)  # noqa: E731
     q, k, v, dout = map(local, inputs(case["causal"], case["gqa"], s))
-    ids = document_ids(s)[:, pos].to(device) if case["docs"] else None
+    ids = _case_ids(case)[:, pos].to(device) if case["docs"] else None
     report = {}
     kernel = get_kernel(device, dtype, case["kernel"], head_dim=SIM["d"])
     with _hook(case)(kernel, report) as kernel:
         guarded = _Guarded(kernel)
-        kw = dict(softmax_scale=SIM["d"] ** -0.5, causal=case["causal"], group=None, kernel=guarded, document_ids=ids)
+        kw = dict(softmax_scale=SIM["d"] ** -0.5, causal=case["causal"], group=None, kernel=guarded, document_ids=ids,
+                  layout=layout)
         out, lse = ring_attn_forward(q, k, v, **kw)
         dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, **kw)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
@@ -162,8 +177,12 @@ def _run_case(case, device, rank, size):
     return dict(pos=pos, got={t: x.double().cpu() for t, x in got.items()}, ok=ok, error=guarded.error, report=report)
 
 
+def _case_ids(case):
+    return _per_document_ids(case["s"]) if case.get("per_document") else document_ids(case["s"])
+
+
 def _inputs_key(case):
-    return case["causal"], case["gqa"], case["docs"], case["s"]
+    return case["causal"], case["gqa"], case["docs"], case["s"], bool(case.get("per_document"))
 
 
 def _truth_and_reference(case, device, cache):
@@ -171,7 +190,7 @@ def _truth_and_reference(case, device, cache):
     key = _inputs_key(case)
     x = inputs(case["causal"], case["gqa"], case["s"])
     if case["docs"]:
-        ids = document_ids(case["s"])
+        ids = _case_ids(case)
         attention = lambda dtype, dev: document_attention(*x, ids, ids, case["causal"], dtype, dev)  # noqa: E731
     else:
         attention = lambda dtype, dev: single_device(*x, case["causal"], dtype, dev)  # noqa: E731

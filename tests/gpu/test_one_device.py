@@ -10,6 +10,9 @@
   edges, q documents of one row each) against float64 per-document truth.
 * ``docs sim-ring ...``: the ring with ``document_ids`` (causal / full, GQA 8/2); rows without keys
   must give out 0 and LSE -inf.
+* ``dynamic-cp sim-ring ...``: dynamic CP's layout (`cp_ext.layout.DocumentZigzag`: documents of
+  `PER_DOCUMENT` tokens, each zigzagged over the 4 ranks on its own, as a dynamic group runs them),
+  causal, GQA 8/2, every kernel x dtype.
 
 Bounds: `tests.attention.bounds.gpu_check_bound`, "ref" the same attention on one device in the dtype.
 """
@@ -19,7 +22,7 @@ import pytest
 from cp_ext.attention.kernels import KERNELS, kernel_problem
 from tests.gpu.one_device import (DOC_VARIANTS, DTYPES, RING_VARIANTS, SIM, doc_kernel_row, doc_label, doc_sim_label,
                                   sim_label)
-from tests.gpu.ring_harness import ring_case, ring_row, run_ring_cases
+from tests.gpu.ring_harness import PER_DOCUMENT, ring_case, ring_row, run_ring_cases
 from tests.gpu.rows import PASS
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +30,17 @@ pytestmark = pytest.mark.gpu
 RING = [(k, dt, causal, gqa) for k in KERNELS for dt in DTYPES for causal, gqa in RING_VARIANTS]
 DOCS_RING = [(k, dt, causal) for k in KERNELS for dt in DTYPES for causal in (True, False)]
 DOCS_KERNEL = [(k, dt, tile, gqa) for k in KERNELS for dt in DTYPES for tile, gqa in DOC_VARIANTS]
+DYNAMIC_RING = [(k, dt) for k in KERNELS for dt in DTYPES]
+
+
+def dynamic_label(kernel, dtype):
+    return f"dynamic-cp sim-ring C{SIM['ring']} docs {'/'.join(map(str, PER_DOCUMENT))} {kernel} {dtype} causal GQA 8/2"
+
+
 RING_CASES = ([ring_case(sim_label(*c), *c) for c in RING]
-              + [ring_case(doc_sim_label(k, dt, causal), k, dt, causal, True, docs=True) for k, dt, causal in DOCS_RING])
+              + [ring_case(doc_sim_label(k, dt, causal), k, dt, causal, True, docs=True) for k, dt, causal in DOCS_RING]
+              + [ring_case(dynamic_label(k, dt), k, dt, True, True, docs=True, per_document=True)
+                 for k, dt in DYNAMIC_RING])
 
 
 def _runs_here(report, device, kernel, dtype, what):
@@ -77,6 +89,16 @@ def test_document_segments_of_each_kernel(report, device, budget, truth_cache, k
 def test_ring_with_documents(request, report, device, kernel, dtype, causal):
     _runs_here(report, device, kernel, dtype, "docs")
     check = doc_sim_label(kernel, dtype, causal)
+    report.start("single", check)
+    r = report.add(ring_row(check, dtype, request.getfixturevalue("ring_results")[check]))
+    assert r["status"] == PASS, r
+
+
+
+@pytest.mark.parametrize("kernel, dtype", DYNAMIC_RING, ids=_ids(DYNAMIC_RING))
+def test_ring_on_dynamic_cps_per_document_zigzag(request, report, device, kernel, dtype):
+    _runs_here(report, device, kernel, dtype, "docs")
+    check = dynamic_label(kernel, dtype)
     report.start("single", check)
     r = report.add(ring_row(check, dtype, request.getfixturevalue("ring_results")[check]))
     assert r["status"] == PASS, r

@@ -362,6 +362,9 @@ def test_cpu_run_passes_every_kernel_dtype_and_mask(cpu_run):
                 name = f"docs sim-ring C4 s200 {kernel} {dtype} {mask} GQA 8/2"
                 assert rows[name]["status"] == "PASS", rows.get(name)
                 assert set(rows[name]["detail"]["err"]) == {"out", "lse", "dq", "dk", "dv"}
+            name = f"dynamic-cp sim-ring C4 docs 48/104/8/40 {kernel} {dtype} causal GQA 8/2"  # dynamic CP's layout
+            assert rows[name]["status"] == "PASS", rows.get(name)
+            assert set(rows[name]["detail"]["err"]) == {"out", "lse", "dq", "dk", "dv"}
     assert {s["kernel"] for s in summary["skipped"]} == {"flash", "efficient", "cudnn", "flash_attn", "te"}
     for kernel in KERNELS:  # windows, sinks and MLA's head dims (tests/gpu/test_masks.py)
         for dtype in DTYPES + ("fp64",):
