@@ -461,14 +461,14 @@ def _megatron_roll(on):
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.multi_token_prediction import roll_tensor
 
-    def roll(tensor, layout=None, dim=-1):
+    def roll(tensor, layout=None, dim=-1, dynamic=None, fill=0):  # static CP only: dynamic is None here
         return roll_tensor(tensor, shifts=-1, dims=dim, cp_group=mpu.get_context_parallel_group())[0]
 
     class Sequence:
-        def __init__(self, local, layout=None, dim=-1):
+        def __init__(self, local, layout=None, dim=-1, dynamic=None):
             self.local, self.dim = local, dim
 
-        def shifted(self, k):
+        def shifted(self, k, fill=0):
             out = self.local
             for _ in range(k):
                 out = roll(out, dim=self.dim)
