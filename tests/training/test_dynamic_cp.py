@@ -10,6 +10,10 @@ parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). L
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
 GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, PP2, and static CP's sizes (every
 document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
+
+Static CP itself, on the same documents: megatron's GPTDataset cuts the corpus into samples of --seq-length
+tokens and static CP 2 trains a global batch of them as packed documents (--reset-attention-mask); the documents
+of those samples, as the model saw them, become a corpus of their own that dynamic CP trains in one global batch.
 """
 
 import dataclasses
@@ -22,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cp_ext.megatron_version import at_least, installed  # noqa: E402
 from tests.launch import launch, worker_args, write_results  # noqa: E402
-from tests.training.test_grid_equivalence import MLA_FLAGS, WINDOW_FLAGS, _assert_same, _gather, _grad_slices  # noqa: E402
+from tests.training.test_grid_equivalence import (  # noqa: E402
+    MLA_FLAGS, WINDOW_FLAGS, _assert_same, _gather, _grad_slices,
+)
 
 SEQ = 64
 MTP_PADDING_MASK = at_least(installed(), "0.18")
@@ -64,6 +70,17 @@ RUNS = {  # 4 ranks each
 RUNS_6 = {"dp3cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced",
                               "--global-batch-size", "12", "--max-seqlen-per-dp-cp-rank", "11"]}
 WORLD = {**{name: 4 for name in RUNS}, **{name: 6 for name in RUNS_6}}
+# Megatron's static data path and static CP against dynamic CP on the documents it trained (one iteration; the
+# router losses off: they balance experts over a microbatch, which the two paths pack differently)
+_Z = MODEL.index("--moe-z-loss-coeff")
+NO_ROUTER_LOSSES = MODEL[:_Z] + MODEL[_Z + 2:] + ["--moe-aux-loss-coeff", "0"]
+STATIC_MODEL = [f for f in NO_ROUTER_LOSSES if f != "--dynamic-context-parallel"]
+SAME_DOCUMENTS = {
+    "static_dp2cp2": STATIC_MODEL + ["--context-parallel-size", "2", "--reset-attention-mask",
+                                     "--reset-position-ids", "--eod-mask-loss"],
+    # + --global-batch-size (the documents' count) and --data-path (their corpus), from the static run
+    "dynamic_same_documents": NO_ROUTER_LOSSES + ["--context-parallel-size", "4", "--eod-mask-loss"] + M16,
+}
 RUNS.update(RUNS_6)
 VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP}
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler",
@@ -90,7 +107,8 @@ for _name, _flags in RUNS.items():
     key = _packing(_flags, WORLD[_name])
     if key not in [v[0] for v in REFERENCES.values()]:
         picked, variant = key
-        scheduler = [x for f, v in picked if f in ("--sequence-packing-scheduler", "--global-batch-size") for x in (f, v)]
+        scheduler = [x for f, v in picked if f in ("--sequence-packing-scheduler", "--global-batch-size")
+                     for x in (f, v)]
         REFERENCES[f"ref{len(REFERENCES)}"] = (key, ["--max-seqlen-per-dp-cp-rank", str(SEQ)] + scheduler
                                                + VARIANTS.get(variant, []))
 
@@ -130,6 +148,7 @@ def runs(documents):
         world = 1 if name in REFERENCES or name in ALONE else WORLD.get(name, 4)
         if world not in done:
             names = list(REFERENCES) + list(ALONE) if world == 1 else [n for n in RUNS if WORLD[n] == world]
+            names += list(SAME_DOCUMENTS) if world == 4 else []
             results = launch(__file__, world, "--runs", ",".join(names), "--docs", documents, timeout=900)
             done[world] = {n: _gather_run(results, n, world) for n in names}
             done[world].update({k: v for k, v in results[0].items() if k.startswith("dp2cp2_")
@@ -142,13 +161,24 @@ def runs(documents):
 
 
 def _gather_run(results, name, world):
-    flags = REFERENCES[name][1] if name in REFERENCES else ALONE_FLAGS if name in ALONE else RUNS[name]
+    flags = REFERENCES[name][1] if name in REFERENCES else ALONE_FLAGS if name in ALONE else \
+        SAME_DOCUMENTS[name] if name in SAME_DOCUMENTS else RUNS[name]
     return _gather(results, name, world, flags=flags)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_dynamic_cp_matches_single_process(name, runs):
     _assert_same(runs(name), runs(reference_of(name)))
+
+
+def test_dynamic_cp_matches_static_cp_on_the_same_documents(runs):
+    """Static CP 2 over megatron's GPTDataset samples (packed documents), and dynamic CP over those samples'
+    documents on groups of 1, 2 and 4: the same lm loss, grad norm and parameter gradients."""
+    static, dynamic = runs("static_dp2cp2"), runs("dynamic_same_documents")
+    assert len(dynamic[0]["lm loss"]) == len(static[0]["lm loss"]) == 1
+    assert dynamic[0]["documents"] == static[0]["documents"] > 8, "every document of the 8 samples, once"
+    assert {1, 2, 4} <= set(dynamic[0]["sizes"]), dynamic[0]["sizes"]
+    _assert_same(dynamic, static)
 
 
 def test_documents_run_on_every_group_size(runs):
@@ -254,7 +284,8 @@ def _model(flags):
     return MODEL
 
 
-def _train(args):
+def _train(args, steps=2, inspect=None):
+    """``steps`` iterations; ``inspect(trainer)`` after them, before the trainer shuts down."""
     from cp_ext.arguments import parse_args
     from cp_ext.training.trainer import Trainer
     from cp_ext.transformer.attention import CoreAttention
@@ -264,13 +295,15 @@ def _train(args):
     history, grads, sizes = {"lm loss": [], "load balancing loss": [], "z loss": [], "grad norm": []}, None, set()
     from cp_ext.perf.counter import count_work
 
-    for step in range(2):
+    plan = None
+    for step in range(steps):
         with count_work() as counted:
             metrics = trainer.train_step()
-        if step == 0:  # what the ring computed (forward), beside the plan it ran (test_counted_pairs_...)
+        plan = trainer.dynamic_plan if trainer.args.dynamic_context_parallel else None
+        if step == 0 and plan:  # what the ring computed (forward), beside the plan it ran (test_counted_pairs_...)
             first = {"ring pairs": counted.bytes["pairs"],
-                     "plan 1": [[(g.first, g.size, [trainer.dynamic_plan.lengths[d] for d in g.documents])
-                                 for g in mb.groups] for mb in trainer.dynamic_plan.schedule.microbatches]}
+                     "plan 1": [[(g.first, g.size, [plan.lengths[d] for d in g.documents])
+                                 for g in mb.groups] for mb in plan.schedule.microbatches]}
         for key in [k for k in metrics if k.startswith("mtp_")]:
             history.setdefault(key, [])
         for key in history:
@@ -279,12 +312,16 @@ def _train(args):
         if grads is None:
             grads = _grad_slices(trainer.model[0].module)
     history["sizes"] = sorted(sizes)
-    history.update(first)
-    history["plan"] = {k: v for k, v in metrics.items() if k.startswith("dynamic cp ")}
-    history["plan"]["lengths"] = getattr(trainer, "dynamic_plan").lengths
-    history["replayed"] = sum(m.kept.replayed for m in trainer.model[0].module.modules() if isinstance(m, CoreAttention))
-    history["latent exchange"] = sorted({m.latent_exchange() for m in trainer.model[0].module.modules()
+    if plan:
+        history.update(first)
+        history["plan"] = {k: v for k, v in metrics.items() if k.startswith("dynamic cp ")}
+        history["plan"]["lengths"] = plan.lengths
+    modules = list(trainer.model[0].module.modules())
+    history["replayed"] = sum(m.kept.replayed for m in modules if isinstance(m, CoreAttention))
+    history["latent exchange"] = sorted({m.latent_exchange() for m in modules
                                          if isinstance(m, ContextParallelMLASelfAttention)})
+    if inspect is not None:
+        history.update(inspect(trainer))
     trainer.shutdown(keep_process_group=True)
     return history, grads
 
@@ -310,6 +347,38 @@ def _resume(args, directory):
     return out
 
 
+def _documents_of_static_batch(prefix):
+    """``inspect`` for the static run: the documents of its first global batch as the model saw them (cut at
+    the sample's edges, split after each EOD; `cp_ext.data.documents`), written by rank 0 as a corpus at
+    ``prefix``, one indexed document each: the document's inputs and its last label."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from cp_ext.data.documents import document_ids
+    from cp_ext.data.indexed import IndexedDatasetWriter
+
+    def inspect(trainer):
+        documents = []
+        if dist.get_rank() == 0:
+            for i in range(trainer.args.global_batch_size):
+                sample = trainer.dataset[i]
+                tokens, labels = sample["tokens"], sample["labels"]
+                ids = document_ids(tokens, trainer.dataset.eod)
+                for d in torch.unique(ids):
+                    at = torch.nonzero(ids == d).flatten()
+                    documents.append(torch.cat([tokens[at], labels[at[-1:]]]).numpy())
+            writer = IndexedDatasetWriter(str(prefix), np.uint16)
+            for doc in documents:
+                writer.add(doc)
+            writer.finalize()
+            writer.commit()
+        count = [len(documents)]
+        dist.broadcast_object_list(count, src=0)
+        return {"documents": count[0]}
+
+    return inspect
+
+
 def worker():
     import argparse
     import os
@@ -329,7 +398,8 @@ def worker():
     for name in extra.runs.split(","):
         if name in REFERENCES:
             picked = dict(REFERENCES[name][0][0])
-            budget, smallest = int(picked["--max-seqlen-per-dp-cp-rank"]), int(picked.get("--min-dynamic-context-parallel-size", 1))
+            budget = int(picked["--max-seqlen-per-dp-cp-rank"])
+            smallest = int(picked.get("--min-dynamic-context-parallel-size", 1))
             original, dynamic_batches.plan_step = _same_packs(lambda d: dataclasses.replace(
                 d, world=int(picked["world"]), max_tokens_per_rank=budget, min_size=smallest))
             try:
@@ -344,6 +414,15 @@ def worker():
                 results[name], grads = _train(MODEL + ALONE_FLAGS + ["--data-path", extra.docs])
             finally:
                 dynamic_batches.plan_step = original
+        elif name == "static_dp2cp2":
+            same_documents = Path(opts.results_dir) / "same_documents"
+            results[name], grads = _train(SAME_DOCUMENTS[name] + ["--data-path", extra.docs], steps=1,
+                                          inspect=_documents_of_static_batch(same_documents))
+        elif name == "dynamic_same_documents":  # one global batch: every document of the static run's, once
+            count = results["static_dp2cp2"]["documents"]
+            results[name], grads = _train(SAME_DOCUMENTS[name] + ["--global-batch-size", str(count), "--data-path",
+                                                                  str(same_documents)], steps=1)
+            results[name]["documents"] = len(results[name]["plan"]["lengths"])
         else:
             results[name], grads = _train(_model(RUNS[name]) + RUNS[name] + ["--data-path", extra.docs])
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
