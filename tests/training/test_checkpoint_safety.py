@@ -257,3 +257,23 @@ def test_one_job_per_save_directory(tmp_path):
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))  # a killed job's lock
     _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "b")
     assert (save / TRACKER).read_text().strip() == "3" and not lock.exists(), "stale lock taken over, then released"
+
+
+def test_save_lock_is_keyed_by_the_slurm_job(tmp_path):
+    """Under SLURM the job holds the lock: a requeued job (same SLURM_JOB_ID, rank 0 now on another host) takes
+    its earlier run's lock over; another job whose state cannot be asked (squeue answers no controller here, or
+    is absent) is refused, named by its job id."""
+    save = tmp_path / "ck"
+    save.mkdir()
+    lock = save / ".cp_ext_save.lock"
+    earlier = {"host": "node-that-died", "pid": 1, "slurm_job_id": "4242", "slurm_restart_count": 0}
+    lock.write_text(json.dumps(earlier))
+    other_job = {"SLURM_JOB_ID": "4243", "SLURM_CONF": str(tmp_path / "no-cluster.conf")}
+    refused = _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "a", fails=True, env=other_job)
+    message = "another job is saving there (SLURM job 4242, host node-that-died, pid 1"
+    assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
+    assert json.loads(lock.read_text()) == earlier and not (save / TRACKER).exists()
+
+    requeued = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"}
+    _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "b", env=requeued)
+    assert (save / TRACKER).read_text().strip() == "3" and not lock.exists(), "own job's lock taken over, released"
