@@ -302,13 +302,16 @@ def fork_workers(script, nproc, args, timeout=600, env=None):
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def worker_args(argv=None):
-    """Parse the arguments `launch` passes to a worker: --results-dir, --cases, free-form extras."""
+def worker_args(argv=None, required=()):
+    """Parse the arguments `launch` passes to a worker: --results-dir, --cases, the ``required`` options
+    (e.g. "--docs": ``args.docs``) and free-form extras (``args.extra``)."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--results-dir", required=True)
     parser.add_argument("--cases", type=lambda names: names.split(","), default=None)
+    for option in required:
+        parser.add_argument(option, required=True)
     args, args.extra = parser.parse_known_args(argv)
     return args
 

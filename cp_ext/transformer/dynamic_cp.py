@@ -7,8 +7,8 @@ group from it. cp_ext's layers read the same seat: `DynamicCPParams` is a ``Pack
 ``sbhd`` format (megatron's THD paths stay off) that also carries the microbatch's `DocumentZigzag`
 layout (which positions of the group's documents this rank holds). ``local_cp_size`` stays None: megatron's
 MLA asserts it is (0.16-0.19, "hybrid_context_parallel is not supported with MLA yet"), and cp_ext's MLA
-runs on ``cp_group`` and the layout, with its RoPE at ``position_ids`` (`cp_ext.transformer.mla`). ``max_seqlen_q``/``kv`` are the longest document, which RoPE's table
-must cover (``get_rotary_seq_len``).
+runs on ``cp_group`` and the layout, with its RoPE at ``position_ids`` (`cp_ext.transformer.mla`).
+``max_seqlen_q``/``kv`` are the longest document, which RoPE's table must cover (``get_rotary_seq_len``).
 
 The MoE routers' load-balancing statistics are per microbatch too (`DynamicRouting`): each group's pack of
 documents balances over the group's ranks, as a static CP group balances over megatron's ``tp_cp`` group,

@@ -137,7 +137,6 @@ def _stages(name, results_dir):
 
 # ----------------------------------------------------------------------------- worker
 def worker():
-    import argparse
     import os
 
     import torch
@@ -145,12 +144,9 @@ def worker():
 
     from cp_ext.attention import dsa_indexer
 
-    opts = worker_args(sys.argv[1:])
-    p = argparse.ArgumentParser()
-    p.add_argument("--layouts", required=True)
-    extra = p.parse_args(opts.extra)
+    opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}
-    for name in extra.layouts.split(","):
+    for name in opts.layouts.split(","):
         gaps = []
         original, recording = _min_topk_gap(gaps)
         if RUNS[name][0] == 1:

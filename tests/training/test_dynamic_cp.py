@@ -380,22 +380,17 @@ def _documents_of_static_batch(prefix):
 
 
 def worker():
-    import argparse
     import os
     import warnings
 
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    opts = worker_args(sys.argv[1:])
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", required=True)
-    p.add_argument("--docs", required=True)
-    extra = p.parse_args(opts.extra)
+    opts = worker_args(sys.argv[1:], required=["--runs", "--docs"])
     results = {"results_dir": opts.results_dir}
     from cp_ext.training import dynamic_batches
 
-    for name in extra.runs.split(","):
+    for name in opts.runs.split(","):
         if name in REFERENCES:
             picked = dict(REFERENCES[name][0][0])
             budget = int(picked["--max-seqlen-per-dp-cp-rank"])
@@ -404,19 +399,19 @@ def worker():
                 d, world=int(picked["world"]), max_tokens_per_rank=budget, min_size=smallest))
             try:
                 results[name], grads = _train(_model(REFERENCES[name][1]) + REFERENCES[name][1]
-                                              + ["--data-path", extra.docs])
+                                              + ["--data-path", opts.docs])
             finally:
                 dynamic_batches.plan_step = original
         elif name in ALONE:
             original, dynamic_batches.plan_step = _same_packs(
                 lambda d: dataclasses.replace(d, world=4, max_tokens_per_rank=16), alone=ALONE[name])
             try:
-                results[name], grads = _train(MODEL + ALONE_FLAGS + ["--data-path", extra.docs])
+                results[name], grads = _train(MODEL + ALONE_FLAGS + ["--data-path", opts.docs])
             finally:
                 dynamic_batches.plan_step = original
         elif name == "static_dp2cp2":
             same_documents = Path(opts.results_dir) / "same_documents"
-            results[name], grads = _train(SAME_DOCUMENTS[name] + ["--data-path", extra.docs], steps=1,
+            results[name], grads = _train(SAME_DOCUMENTS[name] + ["--data-path", opts.docs], steps=1,
                                           inspect=_documents_of_static_batch(same_documents))
         elif name == "dynamic_same_documents":  # one global batch: every document of the static run's, once
             count = results["static_dp2cp2"]["documents"]
@@ -424,10 +419,10 @@ def worker():
                                                                   str(same_documents)], steps=1)
             results[name]["documents"] = len(results[name]["plan"]["lengths"])
         else:
-            results[name], grads = _train(_model(RUNS[name]) + RUNS[name] + ["--data-path", extra.docs])
+            results[name], grads = _train(_model(RUNS[name]) + RUNS[name] + ["--data-path", opts.docs])
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     if "dp2cp2" in results:
-        results["dp2cp2_resumed"] = _resume(MODEL + RUNS["dp2cp2"] + ["--data-path", extra.docs],
+        results["dp2cp2_resumed"] = _resume(MODEL + RUNS["dp2cp2"] + ["--data-path", opts.docs],
                                             Path(opts.results_dir) / "checkpoint")
         results["dp2cp2_lengths"] = results["dp2cp2"]["plan"]["lengths"]
     write_results(opts.results_dir, results)

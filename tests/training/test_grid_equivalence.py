@@ -533,22 +533,17 @@ def _train(name, args):
 
 
 def worker():
-    import argparse
     import os
     import warnings
 
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    opts = worker_args(sys.argv[1:])
-    p = argparse.ArgumentParser()
-    p.add_argument("--layouts", required=True)
-    p.add_argument("--docs", required=True)
-    extra = p.parse_args(opts.extra)
+    opts = worker_args(sys.argv[1:], required=["--layouts", "--docs"])
     results = {"results_dir": opts.results_dir}
-    for name in extra.layouts.split(","):
+    for name in opts.layouts.split(","):
         _, flags, data = RUNS[name]
-        args = flags if data == "family" else MODEL + flags + (["--data-path", extra.docs] if data == "docs" else [])
+        args = flags if data == "family" else MODEL + flags + (["--data-path", opts.docs] if data == "docs" else [])
         results[name], grads = _train(name, args)
         torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     write_results(opts.results_dir, results)
