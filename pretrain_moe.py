@@ -43,21 +43,15 @@ def main(argv=None):
     except ConfigError as e:  # found once the data is open (a split too small for --eval-iters)
         exit_with_config_error("pretrain_moe.py", e)
     except Exception as e:
-        if not _is_collective_timeout(e):
+        from cp_ext.training.peer_failures import failure_message
+
+        message = failure_message(e, os.environ.get("RANK", "0"), args.distributed_timeout_minutes)
+        if message is None:
             raise
-        # Said by every rank that waited (the stopped one cannot): which rank, and why.
-        print(f"pretrain_moe.py: rank {os.environ.get('RANK', '0')}: a collective waited longer than "
-              f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: another rank stopped, crashed or "
-              f"hangs (its node, a debugger, a SIGSTOP). Exiting; resume from the last checkpoint with --load. "
-              f"({str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+        # Said by every rank that met it (the failed one cannot): which rank, and what it lost.
+        print(f"pretrain_moe.py: {message}", file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the same missing rank
     trainer.shutdown()
-
-
-def _is_collective_timeout(error):
-    """gloo's and NCCL's timeout errors (DistBackendError / RuntimeError, by their message)."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 def _fail_once(message, status):

@@ -10,6 +10,7 @@ once the session has collected this test) starts the run and a thread that watch
 reads what the thread saw.
 """
 
+import os
 import signal
 import tempfile
 import threading
@@ -18,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tests.launch import REPO_ROOT, session_dir, start_script
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, session_dir, start_script
 
 TIMEOUT_MINUTES = 1
 _WATCH = {}
@@ -72,3 +73,45 @@ def test_stopped_rank_ends_the_run_within_the_timeout():
     assert waited < TIMEOUT_MINUTES * 60 + 60, f"rank 0 gave up after {waited:.0f} s"
     assert f"rank 0: a collective waited longer than --distributed-timeout-minutes {TIMEOUT_MINUTES}" in text, text[-3000:]
     assert "[rank0]: Traceback" not in text
+
+
+
+def test_killed_rank_ends_the_run_at_once_naming_the_peer(tmp_path):
+    """A rank's process dies (SIGKILL: a node crash, an OOM kill): its sockets close, and a rank on another
+    node exits 1 within seconds, with one line naming the lost peer's address, no traceback and no wait for
+    the timeout (`cp_ext.training.peer_failures`). Two processes, one rank each, as on two nodes (torchrun
+    would end a dead rank's siblings on its own node itself). About 25 s, most of it the run's start."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = dict({k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO_ROOT), RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(tmp_path / f"rank{rank}.out", "w") as out, open(tmp_path / f"rank{rank}.err", "w") as err:
+            ranks.append(subprocess.Popen([sys.executable, str(REPO_ROOT / "pretrain_moe.py"), "--num-experts", "4",
+                                           "--train-iters", "100000", "--distributed-timeout-minutes", "5",
+                                           "--log-dir", str(tmp_path / "run")], stdout=out, stderr=err, env=env,
+                                          cwd=REPO_ROOT, start_new_session=True))
+    try:
+        out = tmp_path / "rank0.out"
+        _wait_for(lambda: "iteration        3/" in out.read_text() or ranks[0].poll() is not None, 240, "iteration 3")
+        assert ranks[0].poll() is None, (tmp_path / "rank0.err").read_text()[-3000:]
+        ranks[1].kill()
+        killed = time.monotonic()
+        ranks[0].wait(timeout=60)
+        waited = time.monotonic() - killed
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+    text = (tmp_path / "rank0.err").read_text()
+    assert ranks[0].returncode == 1 and waited < 30, f"rank 0 exited {ranks[0].returncode} after {waited:.0f} s"
+    lines = [line for line in text.splitlines() if "lost the connection to the rank at 127.0.0.1" in line]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_moe.py: rank 0: "), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
