@@ -27,6 +27,9 @@ def main(argv=None):
     except ImportError as e:  # megatron-core missing or not the pinned version
         _fail_once(str(e), 2)
     single_process_without_torchrun()
+    from cp_ext.training.signals import die_with_launcher
+
+    die_with_launcher()  # a SIGKILLed torchrun takes its ranks with it
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
     from cp_ext.checkpoint.checkpointer import CheckpointReadError
     from cp_ext.console import exit_with_config_error

@@ -29,3 +29,28 @@ class ExitSignalHandler:
 
     def restore(self):
         signal.signal(self.sig, self._previous)
+
+
+def die_with_launcher():
+    """Under torchrun: this rank gets SIGKILL when its torchrun agent dies.
+
+    torchrun ends its workers when it exits normally or on a signal it can catch. A SIGKILL of torchrun (an
+    out-of-memory kill, ``kill -9``, a job step torn down by SLURM's ``proctrack/linuxproc``, which finds
+    processes by parent) leaves the ranks behind, re-parented to init: a rank blocked in a collective then
+    holds its sockets, its memory and the run's log, until someone finds it. ``PR_SET_PDEATHSIG`` makes the
+    kernel kill the rank with its launcher. (Not inherited by a fork: cp_ext's ranks fork no helper
+    processes, see `cp_ext.checkpoint.checkpointer._in_process_write_results`.)"""
+    import ctypes
+    import os
+    import sys
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # the launcher died before the prctl took hold
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,61 @@
+"""torchrun SIGKILLed mid-save leaves no rank behind, and the checkpoint it points at still loads.
+
+A `kill -9` of torchrun (an OOM kill, SLURM tearing a step down under ``proctrack/linuxproc``) used to leave
+a rank re-parented to init, blocked in a futex, holding its sockets and the run's log for as long as nobody
+looked (issue #39). Every rank now dies with its launcher (`cp_ext.training.signals.die_with_launcher`).
+The run saves every iteration, so the kill lands in or near a save; the tracker then names a complete
+checkpoint, which a new run loads (taking the killed run's save lock over) and trains on. About 30 s.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FLAGS = ["--num-experts", "4", "--log-interval", "1", "--lr-decay-iters", "100000"]
+
+
+def test_no_rank_outlives_a_killed_torchrun(tmp_path):
+    save = tmp_path / "ck"
+    env = dict({k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO_ROOT))
+    with open(tmp_path / "torchrun.log", "w") as log:
+        torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc-per-node", "2", str(REPO_ROOT / "pretrain_moe.py"), *FLAGS,
+                                     "--train-iters", "100000", "--save", str(save), "--save-interval", "1",
+                                     "--log-dir", str(tmp_path / "run")],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                    start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and torchrun.poll() is None:
+            if (save / TRACKER).exists() and int((save / TRACKER).read_text() or 0) >= 2:
+                break
+            time.sleep(0.2)
+        assert torchrun.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+        ranks = psutil.Process(torchrun.pid).children(recursive=True)
+        assert len(ranks) >= 2, ranks
+        torchrun.send_signal(signal.SIGKILL)
+        torchrun.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=20)
+        survivors = [f"{p.pid} {' '.join(p.cmdline()[-4:])}" for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not survivors, f"outlived torchrun by 20 s: {survivors}"
+    finally:
+        for proc in ranks:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if torchrun.poll() is None:
+            torchrun.kill()
+    saved = int((save / TRACKER).read_text())
+    resumed = run_script(2, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--train-iters", str(saved + 1), "--load", save,
+                         "--log-dir", tmp_path / "resumed")
+    assert f"iteration {saved + 1:>8}/" in resumed.stdout, resumed.stdout[-2000:]
