@@ -3,7 +3,7 @@
 import os
 import sys
 
-from cp_ext.flag_types import POSITIVE
+from cp_ext.flag_types import POSITIVE, number
 
 
 def add_checkpoint_args(parser):
@@ -13,6 +13,9 @@ def add_checkpoint_args(parser):
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--exit-interval", type=POSITIVE, default=None,
                    help="stop after the iteration that is a multiple of this (saving first if --save)")
+    g.add_argument("--exit-duration-in-mins", type=number(float, 0, above=True), default=None,
+                   help="stop after the iteration that ends this many minutes after the run started (saving first "
+                        "if --save), as Megatron-LM's; a fraction of a minute is accepted")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (SLURM's time limit or preemption), finish the current iteration, save a "
                         "checkpoint (with --save) and exit 0; resume with --load")

@@ -1,15 +1,26 @@
-"""Megatron-LM's ``--exit-signal-handler``: a signal asks the run to save and stop cleanly.
+"""Megatron-LM's ways to stop a run cleanly, saving first: --exit-interval, --exit-duration-in-mins and
+--exit-signal-handler; and a rank that dies with its launcher.
 
 SLURM sends SIGTERM before a time limit (``#SBATCH --signal=TERM@120``) or on preemption. The
 handler only records that it arrived; at the end of the current iteration all ranks agree
 (any rank that received it counts, one all-reduce), the trainer saves a checkpoint when
-``--save`` is set and exits with status 0, so the job can be resumed with ``--load``.
+``--save`` is set and exits with status 0, so the job can be resumed with ``--load``. A duration
+is agreed the same way: ranks' clocks and start times differ by a little, and all must stop together.
 """
+
+import time
 
 import signal
 
 import torch
 import torch.distributed as dist
+
+
+def any_rank(condition: bool, device) -> bool:
+    """Collective: True on every rank where ``condition`` holds on any rank (so all ranks stop together)."""
+    flag = torch.tensor([1.0 if condition else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class ExitSignalHandler:
@@ -23,9 +34,7 @@ class ExitSignalHandler:
 
     def any_rank_received(self, device) -> bool:
         """Collective: True on every rank once any rank received the signal."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.received, device)
 
     def restore(self):
         signal.signal(self.sig, self._previous)
@@ -54,3 +63,31 @@ def die_with_launcher():
         return
     if os.getppid() != launcher:  # the launcher died before the prctl took hold
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ExitConditions:
+    """Whether to stop after an iteration, and why (`reason`): each of Megatron-LM's exit flags that is set."""
+
+    def __init__(self, args, device, started=None):
+        self.args, self.device = args, device
+        self.started = time.time() if started is None else started
+        self.signals = ExitSignalHandler() if args.exit_signal_handler else None
+
+    def reason(self, iteration):
+        """The line to print when the run stops after ``iteration``, else None (collective with a signal
+        handler or a duration)."""
+        args = self.args
+        if self.signals is not None and self.signals.any_rank_received(self.device):
+            return (f"received SIGTERM (--exit-signal-handler): {'saving and ' if args.save else ''}exiting after "
+                    f"iteration {iteration}")
+        minutes = (time.time() - self.started) / 60
+        if args.exit_duration_in_mins and any_rank(minutes > args.exit_duration_in_mins, self.device):
+            return (f"exiting program after {minutes:.2f} minutes (--exit-duration-in-mins "
+                    f"{args.exit_duration_in_mins:g}) at iteration {iteration}")
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})"
+        return None
+
+    def restore(self):
+        if self.signals is not None:
+            self.signals.restore()

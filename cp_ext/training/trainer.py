@@ -29,6 +29,7 @@ from cp_ext.arguments import ConfigError, evaluation_splits, model_args
 from cp_ext.arguments.implementations import implementation_note
 from cp_ext.checkpoint.checkpointer import Checkpointer
 from cp_ext.checkpoint.layout import meta_to_load
+from cp_ext.checkpoint.layout import remove_staging_debris
 from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
 from cp_ext.config import transformer_config_from_args
 from cp_ext.console import print_rank_0
@@ -46,7 +47,7 @@ from cp_ext.training.metrics import MetricsLogger
 from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.report import attention_kernel_line, training_line
 from cp_ext.transformer.dsa import INDEXER_LOSSES
-from cp_ext.training.signals import ExitSignalHandler
+from cp_ext.training.signals import ExitConditions
 from cp_ext.training.setup import leave_distributed
 from cp_ext.training.steps import forward_step
 
@@ -76,6 +77,7 @@ def train_samples(args):
 class Trainer:
     def __init__(self, args):
         self.args = args
+        self.started = time.time()  # --exit-duration-in-mins counts from here (Megatron-LM: pretrain()'s start)
         self.device = setup_platform(None if args.device == "auto" else args.device)
         self.grid = initialize_distributed(args, self.device)
         # Held weakly: the registry must not be what keeps a finished trainer alive.
@@ -83,6 +85,8 @@ class Trainer:
         print_rank_0(versions_line(__version__))
         if args.save:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
+            if dist.get_rank() == 0 and (debris := remove_staging_debris(args.save)):
+                print_rank_0(f"--save {args.save}: removed what an unfinished save left: {', '.join(debris)}")
         self.dataset = build_train_dataset(args, train_samples(args))
         self.eval_datasets = {}
         for split in evaluation_splits(args):
@@ -285,7 +289,7 @@ class Trainer:
         if self.iteration >= args.train_iters:
             print_rank_0(f"nothing to train: the loaded checkpoint is at iteration {self.iteration} = --train-iters "
                          f"{args.train_iters}; raise --train-iters to train on")
-        signals = ExitSignalHandler() if args.exit_signal_handler else None
+        exits = ExitConditions(args, self.device, self.started)
         while self.iteration < args.train_iters:
             start = time.perf_counter()
             metrics = self.train_step()
@@ -293,23 +297,17 @@ class Trainer:
             history.append(metrics)
             log.record(self.iteration, self.consumed_samples, elapsed, metrics)
             self.metrics.log(self.iteration, metrics, tokens_per_iteration / elapsed, elapsed, self.consumed_samples)
-            exiting = bool(args.exit_interval) and self.iteration % args.exit_interval == 0
-            signalled = signals is not None and signals.any_rank_received(self.device)
-            if signalled:
-                print_rank_0(f"received SIGTERM (--exit-signal-handler): "
-                             f"{'saving and ' if args.save else ''}exiting after iteration {self.iteration}")
-                exiting = True
+            stop = exits.reason(self.iteration)  # collective: every rank stops at the same iteration
+            if stop:
+                print_rank_0(stop)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and "valid" in self.eval_datasets:
                 evaluate_and_report(self, "valid", f"iteration {self.iteration}")
-            if args.save and (self.iteration == args.train_iters or exiting
+            if args.save and (self.iteration == args.train_iters or stop
                               or (args.save_interval and self.iteration % args.save_interval == 0)):
                 self.checkpointer.save(args.save)
-            if exiting:
-                if not signalled:
-                    print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+            if stop:
                 break
-        if signals is not None:
-            signals.restore()
+        exits.restore()
         if args.overlap_param_gather:  # the last step's parameter all-gather waits for a next forward: run it now
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)

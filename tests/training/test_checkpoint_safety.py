@@ -240,6 +240,17 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     assert {i: r["train/lm_loss"] for i, r in resumed.items()} == {i: r["train/lm_loss"] for i, r in _metrics(straight).items()}
 
 
+def test_exit_duration_saves_and_stops_every_rank_together(tmp_path):
+    """Megatron-LM's --exit-duration-in-mins: after the iteration that ends past the duration (counted from
+    the run's start), every rank agrees, the run saves there and exits 0; nothing trains after it."""
+    save, log_dir = tmp_path / "ck", tmp_path / "run"
+    proc = _run("--train-iters", "100000", "--lr-decay-iters", "100000", "--exit-duration-in-mins", "0.1",
+                "--save", save, "--log-dir", log_dir)
+    stopped = int((save / TRACKER).read_text())
+    assert f"(--exit-duration-in-mins 0.1) at iteration {stopped}" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stdout.count("exiting program after") == 1 and sorted(_metrics(log_dir)) == list(range(1, stopped + 1))
+
+
 def test_one_job_per_save_directory(tmp_path):
     import socket
 
