@@ -99,7 +99,15 @@ CASES = {
     # a checkpoint the run cannot continue
     "train-iters-below-checkpoint": (["--train-iters", "3", "--load", "{ckpt}"], None,
                                      ["--train-iters 3 is below the checkpoint's iteration 5", "--finetune"]),
+    # under SLURM (the environment below): a requeued job would start over; one torchrun per node of the step
+    "slurm-requeued-without-save": ([], None, ["SLURM_RESTART_COUNT=1", "--save DIR", "--no-requeue"]),
+    "slurm-step-nodes-vs-torchrun": ([], None, ["runs on 2 nodes (n[1-2]; SLURM_STEP_NUM_NODES)",
+                                                "torchrun sees 1 (GROUP_WORLD_SIZE)", "--nnodes 2"]),
+    "exit-duration-0": (["--exit-duration-in-mins", "0"], None, ["--exit-duration-in-mins", "> 0"]),
 }
+CASE_ENV = {"slurm-requeued-without-save": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"},
+            "slurm-step-nodes-vs-torchrun": {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_NODES": "2",
+                                             "SLURM_STEP_NODELIST": "n[1-2]", "GROUP_WORLD_SIZE": "1"}}
 
 
 def _run(cmd, tmp_path, yaml_text=None, env=None):
@@ -125,7 +133,8 @@ def outcomes(tmp_path_factory, crafted_checkpoint):
         if yaml_text is not None:
             (tmp / "run.yaml").write_text(yaml_text)
             argv += ["--config", str(tmp / "run.yaml")]
-        return case, run_script(0, REPO_ROOT / "pretrain_moe.py", *argv, check=False, timeout=120, cwd=tmp)
+        return case, run_script(0, REPO_ROOT / "pretrain_moe.py", *argv, check=False, timeout=120, cwd=tmp,
+                                env=CASE_ENV.get(case))
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(one, CASES))

@@ -14,7 +14,8 @@ with its flags, the defaults that depend on other flags, and its rules:
     training     cp_ext.arguments.training         batches, schedule, Adam, recompute
     data         cp_ext.arguments.data             datasets, splits, evaluation, tokenizer, documents
     logging      cp_ext.arguments.logging          run directory, wandb, TensorBoard
-    checkpoints  cp_ext.arguments.checkpointing
+    checkpoints  cp_ext.arguments.checkpointing    save, load, exits (interval, duration, signal)
+    SLURM        cp_ext.arguments.slurm            requeue without --save, a step's nodes against torchrun's
     (others)     cp_ext.arguments.implementations  numerically equal implementation choices
 
 `validate_args` checks the whole grid before any process group or model exists, and reports
@@ -38,6 +39,7 @@ from cp_ext.arguments.logging import add_logging_args, logging_problems
 from cp_ext.arguments.moe import add_moe_args, fill_moe_defaults, moe_problems
 from cp_ext.arguments.network import add_network_args, fill_network_defaults, network_problems
 from cp_ext.arguments.parallel import add_parallel_args, fill_parallel_defaults, parallel_problems, runs_on_cpu
+from cp_ext.arguments.slurm import requeue_warning, slurm_problems
 from cp_ext.arguments.training import add_recompute_args, add_training_args, fill_training_defaults, training_problems
 from cp_ext.arguments.yaml_config import read_yaml, yaml_tokens
 from cp_ext.console import exit_with_config_error  # noqa: F401 (re-exported: tools import it from here)
@@ -84,6 +86,9 @@ def parse_args(argv=None, world_size=None):
     problems = validate_args(args)
     if problems:
         raise ConfigError("\n".join(f"  - {p}" for p in problems))
+    warning = requeue_warning(args)
+    if warning:
+        print(warning, flush=True)
     return args.freeze()
 
 
@@ -114,7 +119,7 @@ def validate_args(args):
     """Every problem with the grid and shapes, as messages that name flags and fixes."""
     p = parallel_problems(args) + network_problems(args) + moe_problems(args)
     p += attention_problems(args) + training_problems(args) + data_problems(args) + checkpoint_flag_problems(args)
-    p += logging_problems(args) + dynamic_cp_problems(args)
+    p += logging_problems(args) + dynamic_cp_problems(args) + slurm_problems(args)
     if (args.load or args.save or args.finetune) and not p:
         from cp_ext.checkpoint.checks import checkpoint_problems
 
