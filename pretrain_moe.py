@@ -31,7 +31,7 @@ def main(argv=None):
 
     die_with_launcher()  # a SIGKILLed torchrun takes its ranks with it
     args = parse_args_or_exit(argv)  # validated before any process group or model exists
-    from cp_ext.checkpoint.checkpointer import CheckpointReadError
+    from cp_ext.checkpoint.checkpointer import CheckpointReadError, CheckpointWriteError
     from cp_ext.console import exit_with_config_error
     from cp_ext.training.trainer import Trainer
 
@@ -43,6 +43,8 @@ def main(argv=None):
             trainer.train()
     except CheckpointReadError as e:  # every rank reads the same files: one message, from rank 0
         _fail_once(f"cannot load the checkpoint: {e}", 1)
+    except CheckpointWriteError as e:  # raised on every rank alike (`Checkpointer.save`)
+        _fail_once(f"cannot save the checkpoint: {e}", 1)
     except ConfigError as e:  # found once the data is open (a split too small for --eval-iters)
         exit_with_config_error("pretrain_moe.py", e)
     except Exception as e:

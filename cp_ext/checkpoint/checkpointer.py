@@ -131,23 +131,37 @@ class Checkpointer:
                                self.model_args)
 
     def save(self, root):
-        """Save every component at the trainer's iteration (collective)."""
+        """Save every component at the trainer's iteration (collective). A rank that cannot write (a full
+        disk, a quota, an I/O error) fails the save on every rank alike: `CheckpointWriteError`, naming the
+        directory and the cause, with the staging directory removed and the tracker left where it was."""
         iteration = self.trainer.iteration
         final, tmp = iteration_dir(root, iteration), staging_dir(root, iteration)
+        failure = None
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
-            tmp.mkdir(parents=True)
-        dist.barrier()
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                failure = e
+        _agree_on_write(failure, root, iteration, tmp)
         ctx = self._context()
         state = {}
         for component in self.components.values():
             state.update(component.state_dict(ctx))
-        dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
-                                content_metadata=CONTENT_METADATA)
-        dist.barrier()  # every rank's files are written (and fsynced by megatron's writers)
+        try:
+            dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
+                                    content_metadata=CONTENT_METADATA)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank hears of it before any stops
+            failure = e  # (torch's CheckpointException, what a failed write raises, is a BaseException)
+        _agree_on_write(failure, root, iteration, tmp)  # every rank's files are written (and fsynced)
         if dist.get_rank() == 0:
-            write_meta(tmp, self.meta(iteration))
-            note = publish(tmp, root, iteration, replaceable=iteration in self._saved_here)
+            try:
+                write_meta(tmp, self.meta(iteration))
+                note = publish(tmp, root, iteration, replaceable=iteration in self._saved_here)
+            except OSError as e:
+                failure = e
+        _agree_on_write(failure, root, iteration, tmp)
+        if dist.get_rank() == 0:
             if note:
                 print_rank_0(note)
             self._saved_here.add(iteration)
@@ -269,6 +283,40 @@ def shape_mismatches(model_request, saved_tensors):
             flags = next((f for part, f in _SHAPE_FLAGS_BY_KEY if part in t.key), "the model flags")
             out[t.key] = f"{t.key}: {list(there)} in the checkpoint, {list(here)} here (set by {flags})"
     return list(out.values())
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save that failed on some rank, raised on every rank: the message names the directory and the cause."""
+
+
+def _agree_on_write(failure, root, iteration, staged):
+    """Collective: every rank learns whether any rank's part of the save failed, and stops alike. The staging
+    directory goes (it is what filled a full disk); the tracker still names the last complete checkpoint."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if failure is None else _cause(failure))
+    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+    if not failed:
+        return
+    free = shutil.disk_usage(root).free / 2**20  # before the staging directory goes: what the save met
+    if dist.get_rank() == 0:
+        shutil.rmtree(staged, ignore_errors=True)
+    last = latest_iteration(root)
+    rank, text = next(((r, t) for r, t in failed if "Errno" in t), failed[0])  # an OS error says the most
+    raise CheckpointWriteError(
+        f"--save {root}: the checkpoint of iteration {iteration} could not be written ({len(failed)} of "
+        f"{len(failures)} ranks failed; rank {rank}: {text}; {free:.1f} MiB were free on its disk). The tracker "
+        f"still names {'iteration ' + str(last) if last is not None else 'no checkpoint'}; free space on {root} "
+        f"(or give --save another directory) and resume with --load")
+
+
+def _cause(error):
+    """One line for a failed save: torch's CheckpointException carries each rank's own error (the OS error,
+    where there is one), and its text is their tracebacks."""
+    if isinstance(error, CheckpointException) and error.failures:
+        errors = [e[0] if isinstance(e, tuple) else e for e in error.failures.values()]  # (error, its frames)
+        texts = [str(e).removeprefix("Worker failure: ") for e in errors]
+        return next((t for t in texts if "Errno" in t), texts[0])[:300]
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 class CheckpointReadError(RuntimeError):

@@ -56,6 +56,18 @@ def staging_dir(root, iteration):
     return Path(root) / f"iter_{iteration:07d}.tmp"
 
 
+def remove_staging_debris(root):
+    """Staging directories a killed or failed save left in ``root`` (never a published checkpoint): removed by
+    the run that holds the save lock, before it trains, so a disk they filled has room again. Returns their
+    names."""
+    import shutil
+
+    debris = sorted(p for p in Path(root).glob("iter_*.tmp") if p.is_dir())
+    for path in debris:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in debris]
+
+
 def latest_iteration(root):
     """The tracker's iteration, or None where there is no tracker."""
     tracker = Path(root) / TRACKER
