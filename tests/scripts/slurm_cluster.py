@@ -1,4 +1,5 @@
 """A throwaway one-node SLURM cluster for tests: slurmctld + slurmd in a temp dir.
+(tests/scripts/multinode_cluster.py builds several nodes on the same base.)
 
 Debian's slurm-wlm 22.05 ships ``auth_none.so``/``cred_none.so``, so the cluster needs no
 munge daemon and no key: ``AuthType=auth/none``, ``CredType=cred/none``. Everything the
@@ -49,6 +50,14 @@ def try_install(timeout=600):
     return None
 
 
+def slurm_unavailable(timeout=300):
+    """Why slurm cannot be used here (None if it can): installs it first (`try_install`) unless
+    ``CP_EXT_NO_APT=1``. A test fixture skips with this reason."""
+    if os.environ.get("CP_EXT_NO_APT") != "1":
+        return try_install(timeout=timeout)
+    return f"slurm binaries missing: {missing_binaries()}" if missing_binaries() else None
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -68,8 +77,12 @@ class SlurmClusterError(RuntimeError):
 
 
 class SlurmCluster:
-    def __init__(self, root, cpus=None, name="cpexttest"):
+    """slurmctld and one slurmd on this host (127.0.0.1). `tests.scripts.multinode_cluster.MultiNodeCluster`
+    overrides where the nodes live (`nodes`, `controller`, `start_nodes`, `stop_nodes`); the rest is shared."""
+
+    def __init__(self, root, cpus=None, name="cpexttest", settings=None):
         self.root = Path(root)
+        self.settings = dict(settings or {})  # slurm.conf lines to set or replace, e.g. {"SlurmdTimeout": 10}
         self.node = socket.gethostname().split(".")[0]
         self.cpus = cpus or os.cpu_count() or 1
         self.name = name
@@ -78,28 +91,36 @@ class SlurmCluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         for key in [k for k in self.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF"]:
             del self.env[key]  # a surrounding allocation must not leak into the test cluster
+        self.nodes = {self.node: "127.0.0.1"}  # node name -> the address slurmctld reaches its slurmd at
+        self.controller = (self.node, "127.0.0.1")  # SlurmctldHost: this host's name (slurmctld checks it), address
+
+    def node_memory(self):
+        """RealMemory per node: 0.9 x MemTotal (slurmd drains a node whose configured RealMemory exceeds what it finds)."""
+        return max(256, int(node_memory_mb() * 0.9))
 
     def write_conf(self):
         r = self.root
-        for sub in ("state", "spool", "logs"):
+        for sub in ("state", "logs", *(f"spool/{node}" for node in self.nodes)):
             (r / sub).mkdir(parents=True, exist_ok=True)
-        # 0.9 x MemTotal: slurmd drains a node whose configured RealMemory exceeds what it finds.
-        memory = max(256, int(node_memory_mb() * 0.9))
-        self.conf.write_text("\n".join([
+        host, addr = self.controller
+        nodes = ",".join(self.nodes)
+        self.ctld_port, self.slurmd_port = free_port(), free_port()
+        lines = [
             f"ClusterName={self.name}",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={host}({addr})",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/none",
             "CredType=cred/none",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
+            f"SlurmctldPort={self.ctld_port}",
+            f"SlurmdPort={self.slurmd_port}",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            # %n: the node name, so that several slurmd on one host keep apart
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'spool' / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'logs' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'logs' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'logs' / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "ProctrackType=proctrack/linuxproc",
@@ -118,31 +139,50 @@ class SlurmCluster:
             # sbatch --wait polls after 2 s, then every 8 s while MinJobAge/2 <= 8 (slurm's
             # _job_wait backs off 2 -> 8 -> 32 s only while the interval is < MinJobAge/2).
             "MinJobAge=16",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+        ]
+        settings = dict(self.settings)
+        lines = [f"{key}={settings.pop(key)}" if (key := line.split("=", 1)[0]) in settings else line for line in lines]
+        self.conf.write_text("\n".join([
+            *lines,
+            *(f"{key}={value}" for key, value in settings.items()),
+            *(f"NodeName={node} NodeAddr={naddr} CPUs={self.cpus} RealMemory={self.node_memory()} State=UNKNOWN"
+              for node, naddr in self.nodes.items()),
+            f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))
 
-    def _start(self, name, cmd):
+    def _start(self, name, cmd, **kwargs):
         log = open(self.root / "logs" / f"{name}.out", "w")
         # Own session: the daemon's job steps stay in its process group, which `stop` ends.
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            cwd=self.root, start_new_session=True)
+                                            cwd=self.root, start_new_session=True, **kwargs)
         log.close()
 
     def start(self, timeout=30):
         self.write_conf()
+        self.prepare()
         self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0, timeout, "slurmctld to answer")
-        self._start("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait(self._node_idle, timeout, f"node {self.node} to be idle in sinfo")
+        self.start_nodes()
+        self._wait(self.nodes_idle, timeout, f"node(s) {','.join(self.nodes)} to be idle in sinfo")
         return self
 
-    def _node_idle(self):
-        out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
-        return out and out[0].rstrip("*~#") == "idle"
+    def prepare(self):
+        """What must exist before slurmctld starts (the multi-node cluster's bridge); nothing here."""
 
-    def _wait(self, ready, timeout, what):
+    def start_nodes(self):
+        self._start("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
+
+    def node_states(self):
+        """{node: state} as sinfo reports it (flags such as ``*`` (not responding) stripped)."""
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.split("\n")
+        return {name: state.rstrip("*~#$@^-!%") for name, state in (line.split() for line in out if line.strip())}
+
+    def nodes_idle(self):
+        states = self.node_states()
+        return all(states.get(node) == "idle" for node in self.nodes)
+
+    def _wait(self, ready, timeout, what, poll=0.5):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -150,7 +190,7 @@ class SlurmCluster:
                     raise SlurmClusterError(f"{name} exited {proc.returncode} while waiting for {what}\n{self.logs()}")
             if ready():
                 return
-            time.sleep(0.5)
+            time.sleep(poll)
         raise SlurmClusterError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
 
     def run(self, cmd, check=True, timeout=60, env=None, **kwargs):
@@ -165,23 +205,33 @@ class SlurmCluster:
             out.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
 
+    def stop_process(self, name):
+        """End one daemon this cluster started (SIGTERM, then SIGKILL after 15 s) and its process group."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
+        try:  # leftovers of job steps in the daemon's own process group (pgid == its pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop_nodes(self):
+        self.stop_process("slurmd")
+
     def stop(self):
-        """End exactly the daemons this cluster started (and their process groups)."""
-        for name in ("slurmd", "slurmctld"):
-            proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=15)
-            try:  # leftovers of job steps in the daemon's own process group (pgid == its pid)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """End exactly the daemons this cluster started (and their process groups): nodes first."""
+        try:
+            self.stop_nodes()
+        finally:
+            for name in list(self.procs)[::-1]:
+                self.stop_process(name)
 
     def __enter__(self):
         try:

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from tests.launch import REPO_ROOT
-from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, try_install
+from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
 
 SCRIPT = REPO_ROOT / "scripts" / "slurm_single_node.sbatch"
 SHRINK = ["--tensor-model-parallel-size", "1", "--train-iters", "3", "--lr-warmup-iters", "1", "--log-interval", "1"]
@@ -25,11 +25,7 @@ SHRINK = ["--tensor-model-parallel-size", "1", "--train-iters", "3", "--lr-warmu
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if os.environ.get("CP_EXT_NO_APT") != "1":
-        reason = try_install(timeout=300)
-    else:
-        from tests.scripts.slurm_cluster import missing_binaries
-        reason = f"slurm binaries missing: {missing_binaries()}" if missing_binaries() else None
+    reason = slurm_unavailable(timeout=300)
     if reason:
         pytest.skip(f"SLURM not available: {reason}")
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
