@@ -132,6 +132,18 @@ cp_ext_slurm_launch() {
          "rendezvous $MASTER_ADDR:$MASTER_PORT, config $config, OMP_NUM_THREADS=$OMP_NUM_THREADS" \
          "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")," \
          "distributed timeout $CP_EXT_TIMEOUT_MINUTES min"
+    if [[ "${CP_EXT_CPU:-0}" == 1 && "$SLURM_JOB_NUM_NODES" -gt 1 ]]; then
+        # Across nodes gloo must bind to an interface the other nodes reach (srun passes
+        # GLOO_SOCKET_IFNAME on to every node), and the rendezvous host must not be 127.x.
+        local master_ip ifname="${GLOO_SOCKET_IFNAME:-}"
+        master_ip="$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk 'NR == 1 {print $1}')" || true
+        echo "cp_ext: gloo across nodes: GLOO_SOCKET_IFNAME=${ifname:-"(unset: each node binds to the address its hostname resolves to)"}," \
+             "rendezvous host $MASTER_ADDR = ${master_ip:-"(not resolved here)"}"
+        if [[ "$master_ip" == 127.* ]]; then
+            echo "cp_ext: warning: $MASTER_ADDR resolves to a loopback address on $(hostname); if the other nodes resolve" \
+                 "it the same way they cannot reach the rendezvous: fix /etc/hosts or export MASTER_ADDR=<routable address>" >&2
+        fi
+    fi
 
     local -a signal_flags=()
     if [[ "${CP_EXT_EXIT_SIGNAL_HANDLER:-1}" == 1 ]]; then
