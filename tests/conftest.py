@@ -26,6 +26,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "quick: in the quick subset (pytest -m quick), the edit-run loop")
     config.addinivalue_line("markers", "gpu: the GPU check's tests (tests/gpu; run by tools/gpu_check.sh, "
                                        "left out of `pytest tests`: see tests/gpu/conftest.py)")
+    config.addinivalue_line("markers", "multinode: runs on a SLURM cluster of several nodes built from Linux namespaces on this "
+                                       "machine (tests/scripts/multinode_cluster.py; root; skips where it cannot be built)")
     if not _OWNED:
         root = tempfile.mkdtemp(prefix="cp_ext_suite_")
         _OWNED.append(root)
