@@ -1,0 +1,181 @@
+"""Issue #39's "Node crash" fault: a node of a running 2-node job dies; the job is requeued and resumes.
+
+A 3-node cluster (tests/scripts/multinode_cluster.py, ``SlurmdTimeout=10`` so slurmctld marks a dead
+node DOWN within about 10-20 s) runs scripts/slurm_multi_node.sbatch on 2 nodes (n1, the batch host,
+and n2), submitted with ``--requeue --open-mode=append`` and trained with ``--save-interval 2``
+into a checkpoint directory on the shared filesystem. After iteration 3 the test SIGKILLs n2 (its
+namespace holder: everything on it dies at once, its network with it). Then:
+
+* the surviving rank on n1 prints one line naming the lost peer (n2's address) and exits 1 within
+  ``--distributed-timeout-minutes`` + 30 s of the kill;
+* the job is requeued (the batch script's requeue on a failed step that made progress, see
+  scripts/slurm_common.sh; SLURM's own node-failure requeue where it gets there first) and runs again on
+  the two live nodes (n1, n3) with ``SLURM_RESTART_COUNT=1``, resumes from the last checkpoint and
+  trains to the end;
+* the merged metrics.jsonl holds iterations 1..N once each, with the lm losses of the uninterrupted
+  run of the same grid (one node, 2 ranks), and the tracker always names a complete ``iter_`` directory.
+"""
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
+from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
+
+pytestmark = pytest.mark.multinode
+
+SCRIPT = REPO_ROOT / "scripts" / "slurm_multi_node.sbatch"
+ITERS = 6
+TIMEOUT_MINUTES = 1
+FLAGS = ["configs/cpu_demo.yaml", "--tensor-model-parallel-size", "1", "--train-iters", str(ITERS),
+         "--lr-warmup-iters", "1", "--log-interval", "1", "--save-interval", "2",
+         "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class TrackerWatch(threading.Thread):
+    """Reads the tracker every 50 ms while the job runs: each value it ever held, and whether the
+    ``iter_`` directory it named was complete (its meta.json and dist_checkpointing's metadata.json there)."""
+
+    def __init__(self, ckpt):
+        super().__init__(daemon=True)
+        self.ckpt, self.done = Path(ckpt), threading.Event()
+        self.seen, self.bad = [], []
+
+    def run(self):
+        while not self.done.wait(0.05):
+            try:
+                text = (self.ckpt / TRACKER).read_text().strip()
+            except OSError:
+                continue
+            if not text:
+                self.bad.append("(empty tracker)")
+                continue
+            if not self.seen or self.seen[-1] != text:
+                self.seen.append(text)
+            d = self.ckpt / f"iter_{int(text):07d}"
+            if not ((d / "meta.json").exists() and (d / "metadata.json").exists()):
+                self.bad.append(f"{text}: {sorted(p.name for p in d.iterdir()) if d.exists() else 'missing'}")
+
+
+def job_fields(cluster, job):
+    out = cluster.run(["scontrol", "show", "job", "-o", job], check=False).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def ranks_and_torchrun(cluster, node):
+    """(the node's training ranks, its torchrun): pids by command line (srun's also names pretrain_moe.py)."""
+    ranks, torchrun = [], []
+    for pid in cluster.node_pids(node, "pretrain_moe.py"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"srun" in c for c in cmd[:2]):
+            continue
+        (torchrun if b"--rdzv-endpoint" in cmd else ranks).append(pid)
+    return ranks, torchrun
+
+
+def lm_losses(run_dir):
+    return [(r["iteration"], r["train/lm_loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_node_crash(tmp_path_factory):
+    """See the module docstring. SLURM 22.05 does the requeue itself: the surviving rank exits 1 at once,
+    srun (--kill-on-bad-exit) then waits for the dead node's step until slurmctld marks the node DOWN
+    (SlurmdTimeout), so the job is still running then and "requeue job JobId=1 due to failure of node n2"
+    follows; the requeued job becomes eligible after AuthInfo's cred_expire (120 s by default: 10 here).
+
+    Measured on the 2-core machine: MEASURED."""
+    tmp_path = tmp_path_factory.mktemp("nf")  # short: slurmstepd's socket path in the spool must fit 108 bytes
+    ckpt, run_dir, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "job.out"
+    settings = {"SlurmdTimeout": 10, "AuthInfo": "cred_expire=10",
+                "SchedulerParameters": "sched_interval=5"}
+    with running_cluster(tmp_path / "c", num_nodes=3, settings=settings) as cluster:
+        env = {k: v for k, v in cluster.env.items() if k not in TORCHRUN_ENV}
+        env.update(CP_EXT_CPU="1", NPROC_PER_NODE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME)
+        sub = cluster.run(["sbatch", "--requeue", "--open-mode=append", "--nodes=2", f"--output={out}",
+                           "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--job-name=cp_ext_nodecrash",
+                           str(SCRIPT), *FLAGS, "--log-dir", run_dir, "--save", ckpt, "--load", ckpt],
+                          check=False, timeout=60, env=env, cwd=REPO_ROOT)
+        job = re.search(r"Submitted batch job (\d+)", sub.stdout)
+        assert sub.returncode == 0 and job, sub.stdout + sub.stderr
+        job = job.group(1)
+        watch = TrackerWatch(ckpt)
+        watch.start()
+        states, rank_exit, torchrun_exit = [], None, None
+        log = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+        try:
+            started = time.monotonic()
+            while not re.search(r"^ iteration +3/", log(), re.M):
+                state = job_fields(cluster, job).get("JobState")
+                assert time.monotonic() - started < 240 and state in ("PENDING", "CONFIGURING", "RUNNING"), \
+                    f"{state}: no iteration 3\n{log()[-4000:]}\n{cluster.logs()}"
+                time.sleep(0.1)
+            batch_node, victim = cluster.run(["scontrol", "show", "hostnames", job_fields(cluster, job)["NodeList"]]
+                                             ).stdout.split()
+            assert all(ranks_and_torchrun(cluster, batch_node)), "no rank or torchrun on the batch node"
+            killed = time.monotonic()
+            cluster.kill_node(victim)
+            while True:
+                if torchrun_exit is None:
+                    ranks, torchrun = ranks_and_torchrun(cluster, batch_node)
+                    if rank_exit is None and not ranks:
+                        rank_exit = time.monotonic() - killed
+                    if not torchrun:
+                        torchrun_exit = time.monotonic() - killed
+                f = job_fields(cluster, job)
+                state = (f.get("JobState"), f.get("Restarts"), f.get("NodeList"))
+                if not states or states[-1][1:] != state:
+                    states.append((round(time.monotonic() - killed, 1), *state))
+                if f.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", None):
+                    break
+                assert time.monotonic() - killed < 400, f"{states}\n{log()[-4000:]}\n{cluster.logs()}"
+                time.sleep(0.1)
+        finally:
+            watch.done.set()
+            watch.join(timeout=10)
+        text = log()
+        context = (f"states after the kill {states}, surviving rank gone after {rank_exit} s, its torchrun after {torchrun_exit} s, trackers {watch.seen}\n"
+                   f"--- job log ---\n{text[-8000:]}\n{cluster.logs()}")
+        print(f"node crash: {context[:400]}")
+        lost_addr = cluster.nodes[victim]
+        ctld_log = (cluster.root / "logs" / "slurmctld.log").read_text()
+
+    # The surviving rank: one line naming the lost peer (n2's address and name), gone well within the timeout.
+    lost = re.findall(r"^pretrain_moe\.py: rank \d+: lost the connection to the rank at (\S+ \(\S+\)):", text, re.M)
+    assert lost == [f"{lost_addr} ({victim})"], context
+    assert rank_exit is not None and torchrun_exit is not None, context
+    assert max(rank_exit, torchrun_exit) <= TIMEOUT_MINUTES * 60 + 30, context
+    # SLURM requeued the job (its own node-failure requeue) and it ran again on the live nodes to the end.
+    assert f"requeue job JobId={job} due to failure of node {victim}" in ctld_log, context
+    assert states[-1][1:3] == ("COMPLETED", "1") and victim not in states[-1][3], context
+    runs = re.findall(r"^cp_ext: job \d+ on 2 node\(s\) \[(\S+)\]", text, re.M)
+    assert len(runs) == 2, context
+    # It resumed from the last checkpoint the crashed run completed (2 or 4: the kill came after iteration 3).
+    resumed = re.findall(r"^loaded checkpoint of iteration (\d+) from " + re.escape(str(ckpt)), text, re.M)
+    assert len(resumed) == 1 and int(resumed[0]) in (2, 4), context
+    second = text[text.index("loaded checkpoint of iteration"):]
+    assert re.findall(r"^ iteration +(\d+)/", second, re.M) == [str(i) for i in range(int(resumed[0]) + 1, ITERS + 1)]
+    # The tracker only ever named complete checkpoints, in order, ending at the last iteration.
+    assert not watch.bad and watch.seen == [str(i) for i in range(2, ITERS + 1, 2)], (watch.seen, watch.bad)
+    assert (ckpt / TRACKER).read_text().strip() == str(ITERS)
+
+    # Merged metrics: iterations 1..N once each, with the uninterrupted run's lm losses (same grid, one node).
+    merged = lm_losses(run_dir)
+    assert [i for i, _ in merged] == list(range(1, ITERS + 1)), merged
+    ref_dir = tmp_path / "ref"
+    ref = run_script(2, REPO_ROOT / "pretrain_moe.py", "--config", *FLAGS, "--device", "cpu", "--log-dir", ref_dir,
+                     "--save", tmp_path / "ref_ckpt",
+                     check=False, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-6000:]
+    reference = lm_losses(ref_dir)
+    assert [i for i, _ in reference] == list(range(1, ITERS + 1)), reference
+    for (i, got), (_, want) in zip(merged, reference):
+        assert abs(got - want) <= 1e-6 * abs(want), (i, got, want, merged, reference)
