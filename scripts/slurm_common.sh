@@ -7,7 +7,10 @@
 #   * one `srun` task per node runs `torchrun --nnodes $SLURM_NNODES --nproc-per-node N
 #     --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id $SLURM_JOB_ID
 #     --rdzv-conf join_timeout=<timeout x 60> pretrain_moe.py --config $CONFIG <your flags>`;
-#   * the job's exit status is srun's (non-zero if any rank failed);
+#   * the job's exit status is srun's (non-zero if any rank failed); a node failure during the step
+#     is SLURM's to handle: with sbatch --requeue it requeues the job once the node is DOWN (no
+#     requeue here: a rank that fails on a live node fails the job). A requeued run
+#     (SLURM_RESTART_COUNT >= 1) says so after the banner; it resumes with --load;
 #   * --exit-signal-handler is on: when the #SBATCH --signal=B:USR1@180 warning reaches this
 #     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
 #     SIGTERM goes to the training ranks only, on every node, so each finishes its iteration,
@@ -132,6 +135,10 @@ cp_ext_slurm_launch() {
          "rendezvous $MASTER_ADDR:$MASTER_PORT, config $config, OMP_NUM_THREADS=$OMP_NUM_THREADS" \
          "$([[ "${CP_EXT_CPU:-0}" == 1 ]] && echo "(CPU/gloo)" || echo "(GPU/NCCL)")," \
          "distributed timeout $CP_EXT_TIMEOUT_MINUTES min"
+    if [[ -n "${SLURM_RESTART_COUNT:-}" && "${SLURM_RESTART_COUNT}" != 0 ]]; then
+        echo "cp_ext: job $SLURM_JOB_ID was requeued (SLURM_RESTART_COUNT=$SLURM_RESTART_COUNT): with --load" \
+             "this run resumes from the last complete checkpoint"
+    fi
     if [[ "${CP_EXT_CPU:-0}" == 1 && "$SLURM_JOB_NUM_NODES" -gt 1 ]]; then
         # Across nodes gloo must bind to an interface the other nodes reach (srun passes
         # GLOO_SOCKET_IFNAME on to every node), and the rendezvous host must not be 127.x.

@@ -157,7 +157,9 @@ def test_node_crash(tmp_path_factory):
     assert f"requeue job JobId={job} due to failure of node {victim}" in ctld_log, context
     assert states[-1][1:3] == ("COMPLETED", "1") and victim not in states[-1][3], context
     runs = re.findall(r"^cp_ext: job \d+ on 2 node\(s\) \[(\S+)\]", text, re.M)
-    assert len(runs) == 2, context
+    assert len(runs) == 2 and victim not in cluster.run(["scontrol", "show", "hostnames", runs[1]]).stdout, context
+    requeued = re.findall(r"^cp_ext: job (\d+) was requeued \(SLURM_RESTART_COUNT=(\d+)\)", text, re.M)
+    assert requeued == [(job, "1")], context
     # It resumed from the last checkpoint the crashed run completed (2 or 4: the kill came after iteration 3).
     resumed = re.findall(r"^loaded checkpoint of iteration (\d+) from " + re.escape(str(ckpt)), text, re.M)
     assert len(resumed) == 1 and int(resumed[0]) in (2, 4), context
