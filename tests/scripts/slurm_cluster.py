@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,6 +92,9 @@ class SlurmCluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         for key in [k for k in self.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF"]:
             del self.env[key]  # a surrounding allocation must not leak into the test cluster
+        # The jobs launch with this test's interpreter, not whichever torchrun is first on PATH: CI's 3.12 leg runs
+        # pytest from a venv it does not activate, and a job on 3.11's torchrun would train on another megatron-core.
+        self.env.setdefault("TORCHRUN", f"{sys.executable} -m torch.distributed.run")
         self.nodes = {self.node: "127.0.0.1"}  # node name -> the address slurmctld reaches its slurmd at
         self.controller = (self.node, "127.0.0.1")  # SlurmctldHost: this host's name (slurmctld checks it), address
 
