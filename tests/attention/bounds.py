@@ -63,10 +63,17 @@ def shard_errors(got, truth, positions, names, whole=()):
     return out
 
 
-def check_twice_single_device(err, ref_err, names):
+def check_twice_single_device(err, ref_err, names, shares=None):
     """Every tensor within 2x the single-device fp32 error (``ref_err``, from `shard_errors`) plus one fp32
-    ulp of its largest true value (the DSA tests' bound)."""
+    ulp of its largest true value (the DSA tests' bound).
+
+    ``shares``: {name: n} for a tensor that is the fp32 sum of n ranks' shares (a CP loss, all-reduced as
+    the trainer reports it). The single-device error has no such sum: each of its n - 1 additions may
+    round by up to an ulp of the total, so its ulp term is n ulps (measured: ring 4's sparse loss at 1.15
+    ulps of the truth, beyond 2x the single-device 0.06 ulps)."""
+    shares = shares or {}
     for name in names:
         (e, truth), r = err[name], ref_err[name][0]
-        bound = 2 * r + FP32_ULP * truth
-        assert e <= bound, f"{name}: error {e:.3g} > 2 x single-device {r:.3g} + 1 ulp ({bound:.3g})"
+        ulps = shares.get(name, 1)
+        bound = 2 * r + ulps * FP32_ULP * truth
+        assert e <= bound, f"{name}: error {e:.3g} > 2 x single-device {r:.3g} + {ulps} ulp ({bound:.3g})"
