@@ -28,10 +28,25 @@ def pytest_configure(config):
                                        "left out of `pytest tests`: see tests/gpu/conftest.py)")
     config.addinivalue_line("markers", "multinode: runs on a SLURM cluster of several nodes built from Linux namespaces on this "
                                        "machine (tests/scripts/multinode_cluster.py; root; skips where it cannot be built)")
+    config.addinivalue_line("markers", "ci_leg(python): checks what the launcher, SLURM, the kernel or the network do, the same "
+                                       "on every megatron-core: CI runs it on that Python's leg only (CP_EXT_CI_LEG, set by "
+                                       ".ci/run), a plain `pytest tests` everywhere")
     if not _OWNED:
         root = tempfile.mkdtemp(prefix="cp_ext_suite_")
         _OWNED.append(root)
         os.environ["TMPDIR"] = tempfile.tempdir = root
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under CI (CP_EXT_CI_LEG=3.11 / 3.12) a ``ci_leg`` test runs on its own leg only: the two legs differ
+    in Python and megatron-core, which such a test does not reach, and each leg must stay under 20 minutes."""
+    leg = os.environ.get("CP_EXT_CI_LEG")
+    if not leg:
+        return
+    elsewhere = [item for item in items if (mark := item.get_closest_marker("ci_leg")) and mark.args[0] != leg]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if item not in elsewhere]
 
 
 def pytest_collection_finish(session):

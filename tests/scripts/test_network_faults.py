@@ -41,7 +41,7 @@ import pytest
 from tests.launch import REPO_ROOT, TORCHRUN_ENV
 from tests.scripts.multinode_cluster import NODE_IFNAME, PREFIX, running_cluster
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
 
 SCRIPT = REPO_ROOT / "scripts" / "slurm_multi_node.sbatch"
 BASE = ["configs/cpu_demo.yaml", "--tensor-model-parallel-size", "1", "--lr-warmup-iters", "1", "--log-interval", "1",
