@@ -23,6 +23,8 @@
 #   CP_EXT_CPU=1      CPU mode: gloo, --device cpu, no GPUs requested (submit with --gpus-per-node=0)
 #   NPROC_PER_NODE    ranks per node (default: GPUs on the node; CPU mode: $SLURM_CPUS_PER_TASK)
 #   MASTER_PORT       rendezvous port (default 20000 + job id % 20000)
+#   MASTER_ADDR       rendezvous host (default: the first host of SLURM_JOB_NODELIST); it must be an
+#                     address of that node, which hosts torchrun's c10d store (checked: exit 2)
 #   TORCHRUN          launcher command (default: torchrun, else "python3 -m torch.distributed.run")
 #   DISTRIBUTED_TIMEOUT_MINUTES  becomes pretrain_moe.py's --distributed-timeout-minutes (below)
 #
@@ -121,6 +123,7 @@ cp_ext_slurm_launch() {
 
     MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
     export MASTER_ADDR MASTER_PORT
+    cp_ext_check_master_addr
 
     local -a torchrun
     if [[ -n "${TORCHRUN:-}" ]]; then
@@ -173,6 +176,34 @@ cp_ext_slurm_launch() {
         kill -0 "$step" 2>/dev/null || break  # still running: `wait` was interrupted by the trap
     done
     return "$status"
+}
+
+# The rendezvous host, checked on the batch host (SLURM runs the batch script on the allocation's
+# first node). torchrun starts the c10d store only on the node whose own name or address MASTER_ADDR
+# is; if MASTER_ADDR names no address of this node (a stale export, another job's node), no node
+# starts it and every node waits for it until torchrun's read timeout (60 s) ends it with a
+# traceback. Both mistakes end the job here, with exit 2 and one message naming the variable.
+cp_ext_check_master_addr() {
+    local resolved here node
+    node="$(hostname)"
+    resolved="$(getent ahosts "$MASTER_ADDR" 2>/dev/null | awk '{print $1}' | sort -u | tr '\n' ' ')" || true
+    if [[ -z "$resolved" ]]; then
+        echo "error: MASTER_ADDR=$MASTER_ADDR does not resolve on the job's first node $node: unset MASTER_ADDR" \
+             "(the first host of SLURM_JOB_NODELIST) or export it as an address of $node" >&2
+        exit 2
+    fi
+    here=" $( { hostname -I 2>/dev/null | tr ' ' '\n'; getent ahosts "$node" 2>/dev/null | awk '{print $1}'; } \
+              | awk 'NF && !seen[$1]++' | tr '\n' ' ')"
+    local address
+    for address in $resolved; do
+        if [[ "$address" == 127.* || "$address" == ::1 || "$here" == *" $address "* ]]; then
+            return 0
+        fi
+    done
+    echo "error: MASTER_ADDR=$MASTER_ADDR (${resolved% }) is not an address of the job's first node $node" \
+         "(${here:1:-1}): no node would host the rendezvous; unset MASTER_ADDR (the first host of" \
+         "SLURM_JOB_NODELIST) or export it as an address of $node" >&2
+    exit 2
 }
 
 # The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the

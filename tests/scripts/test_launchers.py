@@ -6,6 +6,7 @@ from a value, exit 2 with the variable named), their defaults, and the SLURM scr
 import json
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -53,8 +54,9 @@ LAUNCHERS = {
     "slurm_single_node.sbatch": (["configs/cpu_demo.yaml", "--train-iters", "2"], {"TORCHRUN": "FAKE"}),
     "slurm_multi_node.sbatch": (["configs/cpu_demo.yaml", "--train-iters", "2"], {"TORCHRUN": "FAKE"}),
 }
-SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node0",
-             "MASTER_ADDR": "node0", "SLURM_SUBMIT_DIR": str(REPO_ROOT), "SLURM_CPUS_PER_TASK": "2",
+HOST = socket.gethostname()  # the batch host: the job's first node, whose address MASTER_ADDR must be
+SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": HOST,
+             "MASTER_ADDR": HOST, "SLURM_SUBMIT_DIR": str(REPO_ROOT), "SLURM_CPUS_PER_TASK": "2",
              "SLURM_CPUS_ON_NODE": "2", "CP_EXT_CPU": "1"}
 # Every numeric variable each script reads (what must be checked).
 NUMERIC = [
@@ -217,7 +219,30 @@ def test_slurm_master_port_default_and_value(tmp_path, setting, expected):
     env = {} if setting is None else {"MASTER_PORT": setting}
     proc, calls = launch_script(tmp_path, "slurm_single_node.sbatch", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert flag_value(launcher_line(calls, "--rdzv-backend"), "--rdzv-endpoint") == [f"node0:{expected}"]
+    assert flag_value(launcher_line(calls, "--rdzv-backend"), "--rdzv-endpoint") == [f"{HOST}:{expected}"]
+
+
+# MASTER_ADDR: torchrun hosts the rendezvous store only on the node MASTER_ADDR names (the batch host).
+@pytest.mark.parametrize("script", ["slurm_single_node.sbatch", "slurm_multi_node.sbatch"])
+@pytest.mark.parametrize("addr, says", [
+    ("no-such-host.invalid", "error: MASTER_ADDR=no-such-host.invalid does not resolve on the job's first node"),
+    ("198.51.100.7", "error: MASTER_ADDR=198.51.100.7 (198.51.100.7) is not an address of the job's first node"),
+])
+def test_slurm_master_addr_not_this_node(tmp_path, script, addr, says):
+    """A stale or wrong MASTER_ADDR: torchrun would wait 60 s for a store no node hosts, then print a traceback."""
+    proc, calls = launch_script(tmp_path, script, env={"MASTER_ADDR": addr})
+    out = f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}\n{calls}"
+    assert proc.returncode == 2 and proc.stderr.count("error: ") == 1 and says in proc.stderr, out
+    assert "unset MASTER_ADDR (the first host of SLURM_JOB_NODELIST) or export it as an address of" in proc.stderr, out
+    assert calls == [], out
+
+
+@pytest.mark.parametrize("addr", ["localhost", "127.0.0.1", HOST,
+                                  *subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[:1]])
+def test_slurm_master_addr_of_this_node_launches(tmp_path, addr):
+    proc, calls = launch_script(tmp_path, "slurm_multi_node.sbatch", env={"MASTER_ADDR": addr})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert flag_value(launcher_line(calls, "--rdzv-backend"), "--rdzv-endpoint") == [f"{addr}:24242"]
 
 
 # --distributed-timeout-minutes: one number for the process groups and torchrun's rendezvous join.

@@ -43,9 +43,10 @@ def cluster(tmp_path_factory):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def submit(cluster, tmp_path, *args):
+def submit(cluster, tmp_path, *args, **env_vars):
     out = tmp_path / "job.out"
-    env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               **env_vars)
     cpus = min(2, cluster.cpus)
     cmd = ["sbatch", "--wait", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={cpus}",
            "--time=10", "--job-name=cp_ext_test", str(SCRIPT), *map(str, args)]
@@ -87,6 +88,19 @@ def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
     info = job_info(cluster, job)
     assert info is None or "JobState=FAILED" in info, info
     assert "training done" not in log
+
+
+def test_a_master_addr_of_another_host_fails_the_job_at_once(cluster, tmp_path):
+    """MASTER_ADDR exported for another host (here TEST-NET-2's 198.51.100.7): no node would host torchrun's
+    rendezvous store and every node would wait 60 s for it; instead the batch script ends the job with exit
+    2 and one message naming MASTER_ADDR and the fix, before srun starts anything."""
+    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, MASTER_ADDR="198.51.100.7")
+    assert proc.returncode != 0 and job, f"{proc.stdout}\n{proc.stderr}\n{log}"
+    info = job_info(cluster, job)
+    assert info is None or ("JobState=FAILED" in info and "ExitCode=2:0" in info), info
+    assert log.count("error: MASTER_ADDR=198.51.100.7 (198.51.100.7) is not an address of the job's first node "
+                     f"{cluster.node} (") == 1, log
+    assert "cp_ext: job" not in log and "Traceback" not in log, log
 
 
 @pytest.mark.quick
