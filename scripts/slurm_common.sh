@@ -11,6 +11,9 @@
 #     is SLURM's to handle: with sbatch --requeue it requeues the job once the node is DOWN (no
 #     requeue here: a rank that fails on a live node fails the job). A requeued run
 #     (SLURM_RESTART_COUNT >= 1) says so after the banner; it resumes with --load;
+#   * a preempted job (PreemptMode=REQUEUE, with a GraceTime longer than an iteration plus a save):
+#     SLURM's SIGTERM reaches torchrun and its ranks, which save and exit; the script then requeues
+#     the job (scontrol requeue), which resumes with --load (sbatch --no-requeue: it says so instead);
 #   * --exit-signal-handler is on: when the #SBATCH --signal=B:USR1@180 warning reaches this
 #     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
 #     SIGTERM goes to the training ranks only, on every node, so each finishes its iteration,
@@ -175,6 +178,20 @@ cp_ext_slurm_launch() {
         wait "$step" && status=0 || status=$?
         kill -0 "$step" 2>/dev/null || break  # still running: `wait` was interrupted by the trap
     done
+    if [[ "$status" != 0 ]] && cp_ext_preempted; then
+        # Preemption (PreemptMode=REQUEUE with a GraceTime) SIGTERMs the step: the ranks save and exit 0
+        # (--exit-signal-handler), but torchrun, signalled itself, exits 1, and a job that ends within
+        # its grace time ends FAILED, never requeued. So the job requeues itself; SLURM then stops this
+        # script, and the requeued run resumes with --load.
+        if scontrol requeue "$SLURM_JOB_ID"; then
+            echo "cp_ext: job $SLURM_JOB_ID was preempted: requeued (scontrol requeue); with --load it resumes" \
+                 "from the last complete checkpoint"
+            sleep 600 || true  # SLURM ends the script as it requeues the job
+        else
+            echo "cp_ext: job $SLURM_JOB_ID was preempted and could not be requeued (sbatch --no-requeue," \
+                 "or JobRequeue=0): resubmit it with --load" >&2
+        fi
+    fi
     return "$status"
 }
 
@@ -204,6 +221,11 @@ cp_ext_check_master_addr() {
          "(${here:1:-1}): no node would host the rendezvous; unset MASTER_ADDR (the first host of" \
          "SLURM_JOB_NODELIST) or export it as an address of $node" >&2
     exit 2
+}
+
+# Whether SLURM has preempted this job (`scontrol show job`: PreemptTime is set once it has).
+cp_ext_preempted() {
+    scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q 'PreemptTime=[0-9]'
 }
 
 # The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the

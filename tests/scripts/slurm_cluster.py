@@ -81,9 +81,11 @@ class SlurmCluster:
     """slurmctld and one slurmd on this host (127.0.0.1). `tests.scripts.multinode_cluster.MultiNodeCluster`
     overrides where the nodes live (`nodes`, `controller`, `start_nodes`, `stop_nodes`); the rest is shared."""
 
-    def __init__(self, root, cpus=None, name="cpexttest", settings=None):
+    def __init__(self, root, cpus=None, name="cpexttest", settings=None, partitions=None):
         self.root = Path(root)
         self.settings = dict(settings or {})  # slurm.conf lines to set or replace, e.g. {"SlurmdTimeout": 10}
+        # {partition: its settings beyond Nodes (every node), MaxTime and State}; the first is the default
+        self.partitions = dict(partitions or {"debug": ""})
         self.node = socket.gethostname().split(".")[0]
         self.cpus = cpus or os.cpu_count() or 1
         self.name = name
@@ -151,7 +153,8 @@ class SlurmCluster:
             *(f"{key}={value}" for key, value in settings.items()),
             *(f"NodeName={node} NodeAddr={naddr} CPUs={self.cpus} RealMemory={self.node_memory()} State=UNKNOWN"
               for node, naddr in self.nodes.items()),
-            f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP",
+            *(f"PartitionName={name} Nodes={nodes} Default={'YES' if i == 0 else 'NO'} MaxTime=INFINITE State=UP {extra}".rstrip()
+              for i, (name, extra) in enumerate(self.partitions.items())),
             "",
         ]))
 
