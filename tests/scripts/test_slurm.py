@@ -19,7 +19,7 @@ import pytest
 from tests.launch import REPO_ROOT
 from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
 
-pytestmark = pytest.mark.ci_leg("3.12")  # the sbatch scripts and SLURM's signals, on either megatron-core
+pytestmark = pytest.mark.ci_leg("3.11")  # the sbatch scripts and SLURM's signals, on either megatron-core
 
 SCRIPT = REPO_ROOT / "scripts" / "slurm_single_node.sbatch"
 SHRINK = ["--tensor-model-parallel-size", "1", "--train-iters", "3", "--lr-warmup-iters", "1", "--log-interval", "1"]
