@@ -340,3 +340,9 @@ def write_results(results_dir, results):
     """Write this rank's results (a JSON-able dict) where `launch` collects them."""
     rank = int(os.environ.get("RANK", "0"))
     Path(results_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+
+
+def lm_losses(run_dir):
+    """[(iteration, lm loss)] of a run's metrics.jsonl, in the order written."""
+    records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    return [(r["iteration"], r["train/lm_loss"]) for r in records]

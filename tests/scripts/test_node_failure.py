@@ -16,7 +16,6 @@ namespace holder: everything on it dies at once, its network with it). Then:
   run of the same grid (one node, 2 ranks), and the tracker always names a complete ``iter_`` directory.
 """
 
-import json
 import re
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
@@ -82,10 +81,6 @@ def ranks_and_torchrun(cluster, node):
         (torchrun if b"--rdzv-endpoint" in cmd else ranks).append(pid)
     return ranks, torchrun
 
-
-def lm_losses(run_dir):
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [(r["iteration"], r["train/lm_loss"]) for r in records]
 
 
 def test_node_crash(tmp_path_factory):
