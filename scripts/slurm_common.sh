@@ -18,7 +18,17 @@
 #     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
 #     SIGTERM goes to the training ranks only, on every node, so each finishes its iteration,
 #     saves (with --save) and exits 0. Not SIGTERM to torchrun: torchrun would kill its ranks
-#     30 s later, in the middle of a large save. CP_EXT_EXIT_SIGNAL_HANDLER=0 turns it off.
+#     30 s later, in the middle of a large save. Then the script requeues the job (scontrol
+#     requeue), which goes on from that save with --load: a run longer than the time limit
+#     continues job after job under one job id. A job that cannot be requeued (sbatch
+#     --no-requeue, JobRequeue=0) ends COMPLETED and says to resubmit with --load; so does one
+#     whose Requeue is switched off while it runs (`scontrol update JobId=J Requeue=0`: save and
+#     stop for good). CP_EXT_EXIT_SIGNAL_HANDLER=0 turns all of it off;
+#   * several nodes: before training, every node of the job connects to MASTER_ADDR:MASTER_PORT
+#     (a listener on the first node; retried for RENDEZVOUS_CHECK_SECONDS): a rendezvous address
+#     some node cannot reach, or a port in use on the first node, ends the job with exit 2 and one
+#     message naming the nodes and the variable, instead of torchrun's 60 s wait and traceback on
+#     each node.
 #
 # Environment knobs (sbatch exports the submitting shell's environment to the job):
 #   CONFIG            YAML config (or give it as the first argument: sbatch X.sbatch configs/Y.yaml ...)
@@ -29,9 +39,12 @@
 #   MASTER_ADDR       rendezvous host (default: the first host of SLURM_JOB_NODELIST); it must be an
 #                     address of that node, which hosts torchrun's c10d store (checked: exit 2)
 #   TORCHRUN          launcher command (default: torchrun, else "python3 -m torch.distributed.run")
+#   RENDEZVOUS_CHECK_SECONDS  how long each node may try to connect to the rendezvous before the job
+#                     is ended (default 10; several nodes only; 0 skips the check)
 #   DISTRIBUTED_TIMEOUT_MINUTES  becomes pretrain_moe.py's --distributed-timeout-minutes (below)
 #
-# Numbers are data: NPROC_PER_NODE, MASTER_PORT (1-65535), DISTRIBUTED_TIMEOUT_MINUTES and the
+# Numbers are data: NPROC_PER_NODE, MASTER_PORT (1-65535), DISTRIBUTED_TIMEOUT_MINUTES,
+# RENDEZVOUS_CHECK_SECONDS and the
 # SLURM_* counts used here (SLURM_JOB_ID, SLURM_JOB_NUM_NODES, SLURM_CPUS_PER_TASK,
 # SLURM_CPUS_ON_NODE, SLURM_GPUS_ON_NODE) must be whole numbers (>= 1; GPUs >= 0), checked
 # before any arithmetic (scripts/env_checks.sh); anything else ends the job with exit 2 and a
@@ -83,6 +96,8 @@ cp_ext_slurm_launch() {
     [[ -z "${SLURM_GPUS_ON_NODE:-}" ]] || cp_ext_int SLURM_GPUS_ON_NODE "" 0 "" "$slurm_fix"
     cp_ext_int MASTER_PORT "$(( 20000 + SLURM_JOB_ID % 20000 ))" 1 65535 \
         "set it to a free TCP port on the first node (e.g. MASTER_PORT=29500) or unset it (20000 + job id % 20000)"
+    cp_ext_int RENDEZVOUS_CHECK_SECONDS 10 0 "" \
+        "set it to the seconds each node may try to reach the rendezvous (0: no check) or unset it (10)"
 
     local root="${CP_EXT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
     if [[ ! -f "$root/pretrain_moe.py" ]]; then
@@ -126,8 +141,6 @@ cp_ext_slurm_launch() {
 
     MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
     export MASTER_ADDR MASTER_PORT
-    cp_ext_check_master_addr
-
     local -a torchrun
     if [[ -n "${TORCHRUN:-}" ]]; then
         read -r -a torchrun <<<"$TORCHRUN"
@@ -135,6 +148,13 @@ cp_ext_slurm_launch() {
         torchrun=(torchrun)
     else
         torchrun=(python3 -m torch.distributed.run)
+    fi
+
+    cp_ext_check_master_addr
+    if [[ "$SLURM_JOB_NUM_NODES" -gt 1 && "$RENDEZVOUS_CHECK_SECONDS" -gt 0 ]]; then
+        local python=python3  # the listener below: torchrun's own interpreter where TORCHRUN names one
+        [[ "${torchrun[0]##*/}" != python* ]] || python="${torchrun[0]}"
+        cp_ext_check_rendezvous_reachable "$cpus_per_task" "$python"
     fi
 
     echo "cp_ext: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], $nproc ranks/node," \
@@ -159,6 +179,7 @@ cp_ext_slurm_launch() {
     fi
 
     local -a signal_flags=()
+    CP_EXT_TIME_LIMIT_WARNED=0
     if [[ "${CP_EXT_EXIT_SIGNAL_HANDLER:-1}" == 1 ]]; then
         signal_flags=(--exit-signal-handler)
         trap cp_ext_forward_exit_signal USR1
@@ -181,18 +202,28 @@ cp_ext_slurm_launch() {
     if [[ "$status" != 0 ]] && cp_ext_preempted; then
         # Preemption (PreemptMode=REQUEUE with a GraceTime) SIGTERMs the step: the ranks save and exit 0
         # (--exit-signal-handler), but torchrun, signalled itself, exits 1, and a job that ends within
-        # its grace time ends FAILED, never requeued. So the job requeues itself; SLURM then stops this
-        # script, and the requeued run resumes with --load.
-        if scontrol requeue "$SLURM_JOB_ID"; then
-            echo "cp_ext: job $SLURM_JOB_ID was preempted: requeued (scontrol requeue); with --load it resumes" \
-                 "from the last complete checkpoint"
-            sleep 600 || true  # SLURM ends the script as it requeues the job
-        else
-            echo "cp_ext: job $SLURM_JOB_ID was preempted and could not be requeued (sbatch --no-requeue," \
-                 "or JobRequeue=0): resubmit it with --load" >&2
-        fi
+        # its grace time ends FAILED, never requeued. So the job requeues itself.
+        cp_ext_requeue "was preempted" >&2
+    elif [[ "$status" == 0 && "$CP_EXT_TIME_LIMIT_WARNED" == 1 ]]; then
+        # The time-limit warning stopped the ranks after a save (the ranks cannot tell the script whether
+        # the run had also reached --train-iters by then; if it had, the requeued run loads the last
+        # checkpoint and ends at once).
+        cp_ext_requeue "stopped at the time-limit warning (USR1)"
     fi
     return "$status"
+}
+
+# Requeue this job (SLURM then ends this script; the requeued run resumes with --load), or say why not.
+cp_ext_requeue() {
+    local why=$1
+    if scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -qw 'Requeue=1' && scontrol requeue "$SLURM_JOB_ID"; then
+        echo "cp_ext: job $SLURM_JOB_ID $why: requeued (scontrol requeue); with --load it resumes from the last" \
+             "complete checkpoint"
+        sleep 600 || true  # SLURM ends the script as it requeues the job
+    else
+        echo "cp_ext: job $SLURM_JOB_ID $why and is not requeued (Requeue=0: sbatch --no-requeue, JobRequeue=0," \
+             "or scontrol update Requeue=0): resubmit it with --load to go on"
+    fi
 }
 
 # The rendezvous host, checked on the batch host (SLURM runs the batch script on the allocation's
@@ -223,6 +254,67 @@ cp_ext_check_master_addr() {
     exit 2
 }
 
+# Every node connects to MASTER_ADDR:MASTER_PORT before torchrun does. torchrun's own failure there is a
+# 60 s read timeout and a traceback on each node that cannot reach the first node's c10d store (an
+# address on a network the other nodes are not on: a management NIC, a loopback alias, a firewall),
+# and a port in use on the first node is a traceback there while the other nodes wait. A listener on
+# the port here (the first node) and one srun step that connects from every node (retrying for
+# RENDEZVOUS_CHECK_SECONDS, 10 by default: a few lost SYNs) name both mistakes in one message, with
+# exit 2, before anything trains.
+cp_ext_check_rendezvous_reachable() {
+    local cpus_per_task=$1 python=$2 node ready="" unreachable
+    node="$(hostname)"
+    coproc CP_EXT_LISTENER { exec "$python" -c '
+import os, socket, sys
+port = int(sys.argv[1])
+try:  # as torchrun'"'"'s TCPStore: all addresses, SO_REUSEADDR (create_server sets it)
+    if socket.has_dualstack_ipv6():
+        server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        server = socket.create_server(("", port))
+except OSError as e:
+    print(os.strerror(e.errno) if e.errno else e, flush=True)
+    sys.exit(1)
+print("listening", flush=True)
+while True:  # let each prober close first (no TIME_WAIT on this side of the port)
+    conn, _ = server.accept()
+    conn.settimeout(5)
+    try:
+        conn.recv(1)
+    except OSError:
+        pass
+    conn.close()
+' "$MASTER_PORT" 2>&1; }
+    local listener=$CP_EXT_LISTENER_PID
+    read -r -t 20 ready <&"${CP_EXT_LISTENER[0]}" || true
+    if [[ "$ready" != listening ]]; then
+        kill "$listener" 2>/dev/null || true
+        echo "error: MASTER_PORT=$MASTER_PORT cannot be listened on on the job's first node $node" \
+             "(${ready:-no answer}): torchrun's rendezvous store could not start there; export MASTER_PORT as a" \
+             "free port (e.g. MASTER_PORT=29500) or unset it (20000 + job id % 20000)" >&2
+        exit 2
+    fi
+    # Each node that cannot connect prints its name. The step's output comes back here, whatever
+    # SLURM_STDOUTMODE the submitting shell exported for the training step.
+    unreachable="$(env -u SLURM_STDOUTMODE -u SLURM_STDERRMODE RENDEZVOUS_CHECK_SECONDS="$RENDEZVOUS_CHECK_SECONDS" \
+        srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task="$cpus_per_task" bash -c '
+            end=$(( SECONDS + RENDEZVOUS_CHECK_SECONDS ))
+            until timeout 3 bash -c "exec 3<>/dev/tcp/$MASTER_ADDR/$MASTER_PORT" 2>/dev/null; do
+                if (( SECONDS >= end )); then hostname; exit 0; fi
+                sleep 0.5
+            done' 2>/dev/null)" || true
+    kill "$listener" 2>/dev/null || true
+    wait "$listener" 2>/dev/null || true
+    if [[ -n "$unreachable" ]]; then
+        echo "error: MASTER_ADDR=$MASTER_ADDR port $MASTER_PORT (the rendezvous, on the job's first node $node) is" \
+             "not reachable from node(s) $(echo $unreachable) within $RENDEZVOUS_CHECK_SECONDS s (RENDEZVOUS_CHECK_SECONDS):" \
+             "export MASTER_ADDR as an address of" \
+             "$node on the network all nodes share (the one GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name), or" \
+             "unset it (the first host of SLURM_JOB_NODELIST); if it is right, a firewall blocks port $MASTER_PORT" >&2
+        exit 2
+    fi
+}
+
 # Whether SLURM has preempted this job (`scontrol show job`: PreemptTime is set once it has).
 cp_ext_preempted() {
     scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q 'PreemptTime=[0-9]'
@@ -231,6 +323,7 @@ cp_ext_preempted() {
 # The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the
 # children of its torchrun (found by this job's rendezvous id in torchrun's command line).
 cp_ext_forward_exit_signal() {
+    CP_EXT_TIME_LIMIT_WARNED=1
     echo "cp_ext: USR1 (time limit near): SIGTERM to the training ranks; they save and exit"
     CP_EXT_RDZV_ID="--rdzv-id $SLURM_JOB_ID" srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
         bash -c 'for p in $(pgrep -u "$(id -u)" -f -- "$CP_EXT_RDZV_ID"); do pkill -TERM -P "$p"; done' || true

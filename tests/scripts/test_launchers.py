@@ -72,6 +72,7 @@ NUMERIC = [
     ("slurm_single_node.sbatch", "SLURM_CPUS_PER_TASK"),
     ("slurm_single_node.sbatch", "SLURM_CPUS_ON_NODE"),
     ("slurm_single_node.sbatch", "SLURM_GPUS_ON_NODE"),
+    ("slurm_single_node.sbatch", "RENDEZVOUS_CHECK_SECONDS"),
     ("slurm_multi_node.sbatch", "NPROC_PER_NODE"),
     ("slurm_multi_node.sbatch", "MASTER_PORT"),
 ]
@@ -100,7 +101,7 @@ def launch_script(tmp_path, script, args=None, env=None, drop=()):
     default_args, hooks = LAUNCHERS[script]
     run_env = {k: v for k, v in os.environ.items()
                if not k.startswith("SLURM_") and k not in {"NPROC_PER_NODE", "NPROC", "MASTER_PORT", "MASTER_ADDR",
-                                                           "DISTRIBUTED_TIMEOUT_MINUTES", "CONFIG", "CP_EXT_CPU",
+                                                           "DISTRIBUTED_TIMEOUT_MINUTES", "CONFIG", "CP_EXT_CPU", "RENDEZVOUS_CHECK_SECONDS",
                                                            "CP_EXT_ROOT", "TORCHRUN", "PYTHON", "OUT_DIR"}}
     run_env.update(PATH=f"{fake_bin}:{os.environ['PATH']}", CP_EXT_FAKE_LOG=str(log), OMP_NUM_THREADS="1",
                    OUT_DIR=str(tmp_path / "out"), PLOT="0")
@@ -147,7 +148,8 @@ def test_injected_value_is_not_evaluated(tmp_path, script, var, injection):
 @pytest.mark.quick
 @pytest.mark.parametrize("script, var, value", [
     (script, var, value) for script, var in NUMERIC for value in ["0", *NOT_NUMBERS]
-    if (var, value) != ("SLURM_GPUS_ON_NODE", "0")  # valid (CPU jobs); see test_slurm_gpu_mode_without_gpus
+    # valid: no GPUs (CPU jobs; see test_slurm_gpu_mode_without_gpus), no rendezvous check
+    if (var, value) not in {("SLURM_GPUS_ON_NODE", "0"), ("RENDEZVOUS_CHECK_SECONDS", "0")}
 ])
 def test_bad_number_exits_2_naming_the_variable(tmp_path, script, var, value):
     proc, calls = launch_script(tmp_path, script, env={var: value})

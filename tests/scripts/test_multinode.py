@@ -14,6 +14,7 @@ refused, slurm not installable); ``CP_EXT_REQUIRE_MULTINODE=1`` makes that a fai
 import json
 import os
 import re
+import sys
 import threading
 import time
 
@@ -21,7 +22,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
-from tests.scripts.slurm_cluster import SlurmClusterError
+from tests.scripts.slurm_cluster import SlurmClusterError, free_port
 
 pytestmark = pytest.mark.multinode
 
@@ -143,6 +144,76 @@ def test_two_nodes_train_as_one_node(cluster, tmp_path):
     assert len(multi) == len(single) == 3, (multi, single)
     assert multi == single, (multi, single)  # bit-equal (the issue allows 1e-5 relative; they are equal)
     assert grad_norms(run_dir) == grad_norms(ref_dir)
+
+
+def submit_and_wait(cluster, tmp_path, name, timeout=120, **env_vars):
+    """sbatch the multi-node script on both nodes (3 iterations) with ``env_vars``; wait for the job to end,
+    polling `scontrol show job` (sbatch --wait polls every 8 s here); return (job id, JobState, ExitCode, log)."""
+    out = tmp_path / f"{name}.out"
+    env = {k: v for k, v in cluster.env.items() if k not in TORCHRUN_ENV}
+    env.update(CP_EXT_CPU="1", NPROC_PER_NODE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME, **env_vars)
+    job = cluster.run(["sbatch", "--parsable", "--nodes=2", f"--output={out}", "--gpus-per-node=0", "--cpus-per-task=1",
+                       "--time=10", f"--job-name={name}", str(SCRIPT), *FLAGS, "--log-dir", tmp_path / name],
+                      check=True, env=env, cwd=REPO_ROOT).stdout.strip().split(";")[0]
+    deadline, state, code = time.monotonic() + timeout, None, None
+    while time.monotonic() < deadline:
+        shown = cluster.run(["scontrol", "show", "job", job], check=False).stdout
+        state, code = (m and m.group(1) for m in (re.search(r"JobState=(\S+)", shown), re.search(r"ExitCode=(\S+)", shown)))
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(0.5)
+    return job, state, code, out.read_text() if out.exists() else "(no job output)"
+
+
+def test_a_rendezvous_address_another_node_cannot_reach_ends_the_job_at_once(cluster, tmp_path):
+    """MASTER_ADDR an address of the first node n1 on a network n2 has no route to (TEST-NET-3's 203.0.113.5
+    added to n1's interface, as a management NIC's address would be). The first node's own check passes,
+    and torchrun on n2 would wait 60 s (its read timeout) for the c10d store and print a traceback. The
+    batch script's probe (every node connects to MASTER_ADDR:MASTER_PORT for RENDEZVOUS_CHECK_SECONDS, 10 by
+    default, 3 here) ends the job instead: exit 2 and one message naming MASTER_ADDR, the node that cannot
+    reach it and the fix, before anything trains.
+
+    Measured on the 2-core machine: 11.6 to 12.2 s at the default 10 s; 5 s at 3 s."""
+    cluster.in_node("n1", ["ip", "addr", "add", "203.0.113.5/32", "dev", NODE_IFNAME], check=True)
+    try:
+        start = time.monotonic()
+        job, state, code, log = submit_and_wait(cluster, tmp_path, "unreachable", MASTER_ADDR="203.0.113.5",
+                                                RENDEZVOUS_CHECK_SECONDS="3")
+        took = time.monotonic() - start
+    finally:
+        cluster.in_node("n1", ["ip", "addr", "del", "203.0.113.5/32", "dev", NODE_IFNAME], check=True)
+    context = f"{state} {code} after {took:.1f} s\n--- job log ---\n{log[-6000:]}\n{cluster.logs()}"
+    assert (state, code) == ("FAILED", "2:0"), context
+    assert log.count("error: MASTER_ADDR=203.0.113.5 port ") == 1, context
+    assert re.search(r"error: MASTER_ADDR=203\.0\.113\.5 port \d+ \(the rendezvous, on the job's first node n1\) is not "
+                     r"reachable from node\(s\) n2 within 3 s \(RENDEZVOUS_CHECK_SECONDS\): export MASTER_ADDR as an "
+                     r"address of n1 ", log), context
+    assert "cp_ext: job" not in log and "Traceback" not in log and "iteration" not in log, context
+    assert took < 40, context  # not torchrun's 60 s
+
+
+def test_a_rendezvous_port_in_use_on_the_first_node_ends_the_job_at_once(cluster, tmp_path):
+    """MASTER_PORT taken on n1 by another program: torchrun there could not start its store (a traceback on
+    n1 while n2 waits). The batch script says so at once, exit 2, naming MASTER_PORT. Measured: 0.7 to 1.2 s."""
+    port = free_port()
+    squatter = cluster.start_in_node("n1", "squatter", [sys.executable, "-c", SQUAT, str(port)])
+    try:
+        wait_for_listener = time.monotonic() + 20
+        while cluster.in_node("n1", ["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"]).returncode != 0:
+            assert time.monotonic() < wait_for_listener and squatter.poll() is None, cluster.logs()
+            time.sleep(0.2)
+        job, state, code, log = submit_and_wait(cluster, tmp_path, "port", MASTER_PORT=str(port))
+    finally:
+        squatter.kill()
+        squatter.wait()
+    context = f"{state} {code}\n--- job log ---\n{log[-6000:]}\n{cluster.logs()}"
+    assert (state, code) == ("FAILED", "2:0"), context
+    assert log.count(f"error: MASTER_PORT={port} cannot be listened on on the job's first node n1 (Address already in "
+                     f"use): ") == 1, context
+    assert "cp_ext: job" not in log and "Traceback" not in log, context
+
+
+SQUAT = "import socket, sys, time; s = socket.create_server(('', int(sys.argv[1]))); time.sleep(600)"
 
 
 def test_three_nodes_and_their_faults(tmp_path):

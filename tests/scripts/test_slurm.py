@@ -74,6 +74,9 @@ def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
     assert re.search(rf"cp_ext: job {job} on 1 node\(s\) \[{cluster.node}\], 2 ranks/node, rendezvous {cluster.node}:\d+, "
                      r"config configs/cpu_demo.yaml, OMP_NUM_THREADS=1 \(CPU/gloo\), distributed timeout 10 min", log), context
     assert "training: world 2 = TP 1 x PP 1 x CP 2 (Ulysses 1 x ring 2) x DP 1" in log, context
+    # the cluster's JobRequeue=1 (SLURM's default): a requeue would start over without --save, and rank 0 says so
+    assert log.count(f"note: SLURM may requeue job {job} (Requeue=1: after a node failure, a preemption or the "
+                     "time-limit warning) but this run has no --save") == 1, context
     iterations = re.findall(r"^ iteration +(\d+)/ +3 \|.*\| lm loss: \d\.\d+E[+-]\d+ \|", log, re.M)
     assert iterations == ["1", "2", "3"], context
     assert re.search(r"^training done: lm loss [\d.]+ \(iteration 1\) -> [\d.]+ \(iteration 3\)", log, re.M), context
@@ -112,18 +115,20 @@ def test_multi_node_script_is_accepted(cluster):
     assert proc.returncode == 0 and "to start at" in proc.stderr + proc.stdout, proc.stdout + proc.stderr
 
 
-def test_time_limit_warning_saves_and_exits_0(cluster, tmp_path):
-    """The sbatch script's --signal=B:USR1@180 warning, sent by hand (`scancel --signal=USR1 --batch`):
-    the batch shell forwards SIGTERM to the training ranks only, they finish the iteration, save
-    and exit 0, and the job ends COMPLETED with the checkpoint in place."""
+def test_time_limit_warning_without_requeue_saves_and_exits_0(cluster, tmp_path):
+    """The sbatch script's --signal=B:USR1@180 warning, sent by hand (`scancel --signal=USR1 --batch`), to a
+    job submitted with --no-requeue: the batch shell forwards SIGTERM to the training ranks only, they
+    finish the iteration, save and exit 0, the script says to resubmit with --load (it cannot requeue),
+    and the job ends COMPLETED with the checkpoint in place. (A requeueable job requeues itself and goes
+    on: tests/scripts/test_preemption.py.)"""
     import time
 
     run_dir, save, out = tmp_path / "run", tmp_path / "ck", tmp_path / "job.out"
     env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    cmd = ["sbatch", "--parsable", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={min(2, cluster.cpus)}",
-           "--time=10", "--job-name=cp_ext_signal", str(SCRIPT), "configs/cpu_demo.yaml",
-           "--tensor-model-parallel-size", "1", "--train-iters", "500", "--lr-warmup-iters", "1", "--log-interval", "1",
-           "--save", str(save), "--log-dir", str(run_dir)]
+    cmd = ["sbatch", "--parsable", "--no-requeue", f"--output={out}", "--gpus-per-node=0",
+           f"--cpus-per-task={min(2, cluster.cpus)}", "--time=10", "--job-name=cp_ext_signal", str(SCRIPT),
+           "configs/cpu_demo.yaml", "--tensor-model-parallel-size", "1", "--train-iters", "500", "--lr-warmup-iters", "1",
+           "--log-interval", "1", "--save", str(save), "--log-dir", str(run_dir)]
     job = cluster.run(cmd, check=True, env=env, cwd=REPO_ROOT).stdout.strip().split(";")[0]
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
@@ -139,8 +144,11 @@ def test_time_limit_warning_saves_and_exits_0(cluster, tmp_path):
         time.sleep(0.5)
     log = out.read_text()
     context = f"{info}\n--- job log ---\n{log[-6000:]}"
-    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info), context
+    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info and "Restarts=0" in info), context
     assert "cp_ext: USR1 (time limit near): SIGTERM to the training ranks" in log, context
     assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in log, context
+    assert (f"cp_ext: job {job} stopped at the time-limit warning (USR1) and is not requeued (Requeue=0: sbatch "
+            "--no-requeue") in log, context
+    assert "requeued (scontrol requeue)" not in log, context
     stopped = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert 3 <= stopped < 500 and len(metrics.read_text().splitlines()) == stopped, context
