@@ -101,11 +101,14 @@ CASES = {
                                      ["--train-iters 3 is below the checkpoint's iteration 5", "--finetune"]),
     # under SLURM (the environment below): a requeued job would start over; one torchrun per node of the step
     "slurm-requeued-without-save": ([], None, ["SLURM_RESTART_COUNT=1", "--save DIR", "--no-requeue"]),
+    "slurm-requeued-without-load": (["--save", "{ckpt}"], None, ["SLURM_RESTART_COUNT=1", "has --save but no --load",
+                                                                 "--no-requeue"]),
     "slurm-step-nodes-vs-torchrun": ([], None, ["runs on 2 nodes (n[1-2]; SLURM_STEP_NUM_NODES)",
                                                 "torchrun sees 1 (GROUP_WORLD_SIZE)", "--nnodes 2"]),
     "exit-duration-0": (["--exit-duration-in-mins", "0"], None, ["--exit-duration-in-mins", "> 0"]),
 }
 CASE_ENV = {"slurm-requeued-without-save": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"},
+            "slurm-requeued-without-load": {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"},
             "slurm-step-nodes-vs-torchrun": {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_NODES": "2",
                                              "SLURM_STEP_NODELIST": "n[1-2]", "GROUP_WORLD_SIZE": "1"}}
 

@@ -2,7 +2,7 @@
 
 - A job SLURM requeues (after a node failure, a preemption, ``scontrol requeue``) starts its batch script
   again. Without --save the new run starts over from iteration 0, and nothing says so: a requeued run
-  (``SLURM_RESTART_COUNT`` >= 1) without --save is a configuration error; a job that may be requeued
+  (``SLURM_RESTART_COUNT`` >= 1) without --save, or with --save and no --load, is a configuration error; a job that may be requeued
   (``scontrol show job``: ``Requeue=1``, sbatch's ``--requeue`` or the cluster's ``JobRequeue=1``) gets one
   line on rank 0 saying so.
 - One torchrun per node of the step: a step on N nodes whose torchrun sees another count of nodes
@@ -22,6 +22,10 @@ def slurm_problems(args) -> list:
         p.append(f"this SLURM job was requeued (SLURM_RESTART_COUNT={restarts}) and has no --save: the run starts "
                  f"over from iteration 0 and what the earlier run trained is lost; give --save DIR and --load DIR "
                  f"(the same directory), or submit with sbatch's --no-requeue")
+    elif restarts.isdigit() and int(restarts) > 0 and not args.load:
+        p.append(f"this SLURM job was requeued (SLURM_RESTART_COUNT={restarts}) and has --save but no --load: the "
+                 f"run starts over from iteration 0 and overwrites what the earlier run saved in {args.save}; give "
+                 f"--load {args.save}, or submit with sbatch's --no-requeue")
     step_nodes, torchrun_nodes = os.environ.get("SLURM_STEP_NUM_NODES"), os.environ.get("GROUP_WORLD_SIZE")
     if step_nodes and torchrun_nodes and step_nodes.isdigit() and torchrun_nodes.isdigit() \
             and int(step_nodes) != int(torchrun_nodes):
@@ -34,9 +38,11 @@ def slurm_problems(args) -> list:
 
 
 def requeue_warning(args):
-    """The line rank 0 prints when SLURM may requeue this job but the run has no --save; else None."""
+    """The line rank 0 prints when SLURM may requeue this job but the run could not resume (no --save, or
+    no --load); else None."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not job or args.save or os.environ.get("RANK", "0") != "0" or shutil.which("scontrol") is None:
+    if not job or (args.save and args.load) or os.environ.get("RANK", "0") != "0" \
+            or shutil.which("scontrol") is None:
         return None
     try:
         shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
@@ -44,6 +50,7 @@ def requeue_warning(args):
         return None
     if "Requeue=1" not in shown.split():
         return None
-    return (f"note: SLURM may requeue job {job} (Requeue=1: after a node failure or a preemption) but this run has "
-            f"no --save, so a requeued run would start over from iteration 0; give --save DIR --load DIR, or "
-            f"submit with --no-requeue")
+    lacks = "no --save" if not args.save else "no --load"
+    return (f"note: SLURM may requeue job {job} (Requeue=1: after a node failure, a preemption or the time-limit "
+            f"warning) but this run has {lacks}, so a requeued run would start over from iteration 0; give --save "
+            f"DIR --load DIR, or submit with --no-requeue")
