@@ -20,6 +20,7 @@ import torch
 from cp_ext.arguments import ConfigError, parse_args
 from cp_ext.checkpoint.layout import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
 from tests.launch import REPO_ROOT, run_script, start_script
+from tests.scripts.slurm_cluster import free_port
 
 FLAGS = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-3",
@@ -279,12 +280,16 @@ def test_save_lock_is_keyed_by_the_slurm_job(tmp_path):
     lock = save / ".cp_ext_save.lock"
     earlier = {"host": "node-that-died", "pid": 1, "slurm_job_id": "4242", "slurm_restart_count": 0}
     lock.write_text(json.dumps(earlier))
-    other_job = {"SLURM_JOB_ID": "4243", "SLURM_CONF": str(tmp_path / "no-cluster.conf")}
+    # a cluster whose controller is not there: squeue and scontrol fail at once with MessageTimeout=1 (SLURM's
+    # default 10 s retries for 18 s; a SLURM_CONF naming no file takes 59 s here, a configless DNS lookup)
+    conf = tmp_path / "no-controller.conf"
+    conf.write_text(f"ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\nMessageTimeout=1\n")
+    other_job = {"SLURM_JOB_ID": "4243", "SLURM_CONF": str(conf)}
     refused = _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "a", fails=True, env=other_job)
     message = "another job is saving there (SLURM job 4242, host node-that-died, pid 1"
     assert refused.stderr.count(message) == 1, refused.stderr[-3000:]
     assert json.loads(lock.read_text()) == earlier and not (save / TRACKER).exists()
 
     requeued = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"}
-    _run("--save", save, "--train-iters", "3", "--log-dir", tmp_path / "b", env=requeued)
+    _run("--save", save, "--load", save, "--train-iters", "3", "--log-dir", tmp_path / "b", env=requeued)
     assert (save / TRACKER).read_text().strip() == "3" and not lock.exists(), "own job's lock taken over, released"
