@@ -17,8 +17,8 @@ every rank; each iteration in metrics.jsonl once, with the lm losses of the same
 (one reference run for the module).
 
 ``AuthInfo=cred_expire=10`` and ``sched_interval=5`` let the requeued job start within seconds (SLURM's
-defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores: the module 95 to 100 s
-(cluster start 1 s; preemption 40 s; time-limit warning 38 s; the reference 14 s).
+defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores: the module 90 s (cluster
+start and the reference 10 s; preemption 42 s; time-limit warning 38 s); 107 s at 20 iterations.
 """
 
 import re
