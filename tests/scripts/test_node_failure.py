@@ -14,16 +14,21 @@ namespace holder: everything on it dies at once, its network with it). Then:
   (the script's log line), resumes from the last checkpoint and trains to the end;
 * the merged metrics.jsonl holds iterations 1..N once each, with the lm losses of the uninterrupted
   run of the same grid (one node, 2 ranks), and the tracker always names a complete ``iter_`` directory.
+
+In a session the crash and the requeue start as soon as the tests are collected (``start_early``, called
+by tests/conftest.py) and run in a thread beside the rest of the suite (most of their time is waiting for
+SLURM); `test_node_crash` then checks what they did and runs the uninterrupted reference.
 """
 
 import re
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script, session_dir
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
@@ -83,20 +88,28 @@ def ranks_and_torchrun(cluster, node):
 
 
 
-def test_node_crash(tmp_path_factory):
-    """See the module docstring. SLURM 22.05 does the requeue itself: the surviving rank exits 1 at once,
-    srun (--kill-on-bad-exit) then waits for the dead node's step until slurmctld marks the node DOWN
-    (SlurmdTimeout), so the job is still running then and "requeue job JobId=1 due to failure of node n2"
-    follows; the requeued job becomes eligible after AuthInfo's cred_expire (120 s by default: 10 here).
+_EARLY = {}
 
-    Measured on the 2-core machine (the kill at t = 0): the surviving rank printed its line and exited
-    0.004-0.07 s after the kill, its torchrun 0.7-0.9 s (limit: 60 + 30 s); slurmctld marked the node DOWN
-    and requeued the job at 13-31 s (SlurmdTimeout=10 plus its ping interval); the requeued run started
-    on n1 and n3 12 s later and ended 24-31 s after that. The whole test: 90-100 s (and 127 s when the
-    scheduler still ran only every 60 s; 201 s with the default cred_expire=120: knobs a real cluster
-    keeps at their defaults, so there expect a requeued job to start about 2 minutes after the node
-    is marked DOWN)."""
-    tmp_path = tmp_path_factory.mktemp("nf")  # short: slurmstepd's socket path in the spool must fit 108 bytes
+
+def start_early():
+    """Called by tests/conftest.py once the session has collected this module: the crash and SLURM's requeue
+    (mostly waiting: SlurmdTimeout, cred_expire, the scheduler's pass) run in a thread beside the rest of the
+    suite; `test_node_crash` checks what they did."""
+    # short: slurmstepd's socket path in the spool must fit 108 bytes
+    root = Path(tempfile.mkdtemp(prefix="nf_", dir=session_dir()))
+    _EARLY["thread"] = threading.Thread(target=_scenario, args=(root,), daemon=True)
+    _EARLY["thread"].start()
+
+
+def _scenario(root):
+    try:
+        _EARLY["result"] = _crash(root)
+    except BaseException as e:  # noqa: B036 - pytest.skip raises a BaseException, re-raised by the test
+        _EARLY["error"] = e
+
+
+def _crash(tmp_path):
+    """Submit, kill n2 after iteration 3, follow the job to its end; what was seen, for the test."""
     ckpt, run_dir, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "job.out"
     # DOWN 10-20 s after the kill; a requeued job eligible 10 s after the requeue (not 120); the
     # scheduler's periodic pass every 5 s (not 60), which is what starts a job whose begin time passed.
@@ -153,6 +166,37 @@ def test_node_crash(tmp_path_factory):
         print(f"node crash: {context[:400]}")
         lost_addr = cluster.nodes[victim]
         ctld_log = (cluster.root / "logs" / "slurmctld.log").read_text()
+        runs = re.findall(r"^cp_ext: job \d+ on 2 node\(s\) \[(\S+)\]", text, re.M)
+        second_hosts = cluster.run(["scontrol", "show", "hostnames", runs[1]]).stdout if len(runs) == 2 else ""
+    return dict(ckpt=ckpt, run_dir=run_dir, job=job, victim=victim, lost_addr=lost_addr, text=text, context=context,
+                states=states, rank_exit=rank_exit, torchrun_exit=torchrun_exit, watch=watch, ctld_log=ctld_log,
+                runs=runs, second_hosts=second_hosts)
+
+
+
+def test_node_crash(tmp_path):
+    """See the module docstring. SLURM 22.05 does the requeue itself: the surviving rank exits 1 at once,
+    srun (--kill-on-bad-exit) then waits for the dead node's step until slurmctld marks the node DOWN
+    (SlurmdTimeout), so the job is still running then and "requeue job JobId=1 due to failure of node n2"
+    follows; the requeued job becomes eligible after AuthInfo's cred_expire (120 s by default: 10 here).
+
+    Measured on the 2-core machine (the kill at t = 0): the surviving rank printed its line and exited
+    0.004-0.07 s after the kill, its torchrun 0.7-0.9 s (limit: 60 + 30 s); slurmctld marked the node DOWN
+    and requeued the job at 13-31 s (SlurmdTimeout=10 plus its ping interval); the requeued run started
+    on n1 and n3 12 s later and ended 24-31 s after that. The whole test: 90-100 s (and 127 s when the
+    scheduler still ran only every 60 s; 201 s with the default cred_expire=120: knobs a real cluster
+    keeps at their defaults, so there expect a requeued job to start about 2 minutes after the node
+    is marked DOWN)."""
+    if "thread" not in _EARLY:  # run on its own, outside a session that started it early
+        start_early()
+    _EARLY["thread"].join(timeout=900)
+    assert not _EARLY["thread"].is_alive(), "the node-crash scenario hung"
+    if "error" in _EARLY:  # a skip (no cluster here), a failure, or what the cluster left behind
+        raise _EARLY["error"]
+    seen = _EARLY["result"]
+    ckpt, run_dir, job, victim, text, context = (seen[k] for k in ("ckpt", "run_dir", "job", "victim", "text", "context"))
+    states, rank_exit, torchrun_exit, watch = (seen[k] for k in ("states", "rank_exit", "torchrun_exit", "watch"))
+    lost_addr, ctld_log, runs = seen["lost_addr"], seen["ctld_log"], seen["runs"]
 
     # The surviving rank: one line naming the lost peer (n2's address and name), gone well within the timeout.
     lost = re.findall(r"^pretrain_moe\.py: rank \d+: lost the connection to the rank at (\S+ \(\S+\)):", text, re.M)
@@ -162,8 +206,7 @@ def test_node_crash(tmp_path_factory):
     # SLURM requeued the job (its own node-failure requeue) and it ran again on the live nodes to the end.
     assert f"requeue job JobId={job} due to failure of node {victim}" in ctld_log, context
     assert states[-1][1:3] == ("COMPLETED", "1") and victim not in states[-1][3], context
-    runs = re.findall(r"^cp_ext: job \d+ on 2 node\(s\) \[(\S+)\]", text, re.M)
-    assert len(runs) == 2 and victim not in cluster.run(["scontrol", "show", "hostnames", runs[1]]).stdout, context
+    assert len(runs) == 2 and seen["second_hosts"] and victim not in seen["second_hosts"], context
     requeued = re.findall(r"^cp_ext: job (\d+) was requeued \(SLURM_RESTART_COUNT=(\d+)\)", text, re.M)
     assert requeued == [(job, "1")], context
     # It resumed from the last checkpoint the crashed run completed (2 or 4: the kill came after iteration 3).

@@ -17,16 +17,21 @@ every rank; each iteration in metrics.jsonl once, with the lm losses of the same
 (one reference run for the module).
 
 ``AuthInfo=cred_expire=10`` and ``sched_interval=5`` let the requeued job start within seconds (SLURM's
-defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores: the module 90 s (cluster
-start and the reference 10 s; preemption 42 s; time-limit warning 38 s); 107 s at 20 iterations.
+defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores, run alone: the module 90 s
+(cluster start and the reference 10 s; preemption 42 s; time-limit warning 38 s); 107 s at 20 iterations.
+In a session the two scenarios start as soon as the tests are collected (``start_early``, called by
+tests/conftest.py) and run beside the rest of the suite.
 """
 
 import re
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, lm_losses, run_script
+from tests.launch import REPO_ROOT, lm_losses, run_script, session_dir
 from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
 
 pytestmark = pytest.mark.ci_leg("3.12")  # SLURM's preemption and the sbatch script, on either megatron-core
@@ -42,21 +47,57 @@ SAVED = re.compile(r"received SIGTERM \(--exit-signal-handler\): saving and exit
 LIVE = ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "CONFIGURING")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = slurm_unavailable(timeout=300)
-    if reason:
-        pytest.skip(f"SLURM not available: {reason}")
+_EARLY = {}
+
+
+def start_early():
+    """Called by tests/conftest.py once the session has collected this module: both scenarios run, one after
+    the other on one cluster, in a thread beside the rest of the suite (much of their time is SLURM's: the
+    requeue's wait, the scheduler's pass); the tests check what they saw."""
     # a short root: slurmstepd's socket path (spool/<node>/<node>_<job>.<step>) must stay under 108 bytes
-    c = SlurmCluster(tmp_path_factory.mktemp("preempt"), settings=SETTINGS, partitions=PARTITIONS)
+    root = Path(tempfile.mkdtemp(prefix="pre_", dir=session_dir()))
+    _EARLY["thread"] = threading.Thread(target=_scenarios, args=(root,), daemon=True)
+    _EARLY["thread"].start()
+
+
+def _scenarios(root):
     try:
+        reason = slurm_unavailable(timeout=300)
+        if reason:
+            pytest.skip(f"SLURM not available: {reason}")
+        cluster = SlurmCluster(root / "c", settings=SETTINGS, partitions=PARTITIONS)
         try:
-            c.start(timeout=60)
-        except SlurmClusterError as e:
-            pytest.skip(f"SLURM installed but its daemons cannot start here: {e}")
-        yield c
-    finally:
-        c.stop()
+            try:
+                cluster.start(timeout=60)
+            except SlurmClusterError as e:
+                pytest.skip(f"SLURM installed but its daemons cannot start here: {e}")
+            for name, scenario in (("preempt", _preempted), ("usr1", _warned)):
+                (root / name).mkdir()
+                try:  # one scenario's failure is its test's, not the other's
+                    _EARLY[name] = scenario(cluster, root / name)
+                except Exception as e:
+                    _EARLY[name] = e
+        finally:
+            cluster.stop()
+    except BaseException as e:  # noqa: B036 - pytest.skip raises a BaseException, re-raised by the tests
+        _EARLY["error"] = e
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    if "thread" not in _EARLY:  # run on its own, outside a session that started it early
+        start_early()
+    _EARLY["thread"].join(timeout=900)
+    assert not _EARLY["thread"].is_alive(), "the requeue scenarios hung"
+    if "error" in _EARLY:  # a skip (no SLURM here), or a cluster that failed
+        raise _EARLY["error"]
+    return _EARLY
+
+
+def seen(scenarios, name):
+    if isinstance(scenarios[name], Exception):
+        raise scenarios[name]
+    return scenarios[name]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +157,8 @@ def assert_resumed_exactly(job, text, run_dir, save, context, reference, requeue
         assert abs(got - want) <= 1e-6 * abs(want), (i, got, want, merged)
 
 
-def test_preempted_job_saves_requeues_and_resumes_exactly(cluster, reference, tmp_path):
+def _preempted(cluster, tmp_path):
+    """A job in ``high`` preempts the training job; (the training run's outcome, the preemptor's state)."""
     preemptor = []
 
     def preempt(job):
@@ -124,17 +166,30 @@ def test_preempted_job_saves_requeues_and_resumes_exactly(cluster, reference, tm
                                       f"--output={tmp_path / 'high.out'}", "--wrap", "sleep 2"],
                                      check=True, env=cluster.env).stdout.strip().split(";")[0])
 
-    job, text, run_dir, save, state, context = interrupted_run(cluster, tmp_path, preempt)
+    outcome = interrupted_run(cluster, tmp_path, preempt)
+    deadline = time.monotonic() + 120  # on a busy machine the preemptor may still be ending
+    while (state := job_state(cluster, preemptor[0])) in (*LIVE, "SIGNALING") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return outcome, state
+
+
+def _warned(cluster, tmp_path):
+    """The time-limit warning, sent by hand to the training job's batch shell."""
+    return interrupted_run(cluster, tmp_path,
+                           lambda job: cluster.run(["scancel", "--signal=USR1", "--batch", job], check=True))
+
+
+def test_preempted_job_saves_requeues_and_resumes_exactly(scenarios, reference):
+    (job, text, run_dir, save, state, context), preemptor_state = seen(scenarios, "preempt")
     assert state in ("COMPLETED", None), context
-    assert job_state(cluster, preemptor[0]) in ("COMPLETED", None), context
+    assert preemptor_state in ("COMPLETED", None), context
     assert_resumed_exactly(job, text, run_dir, save, context, reference, "was preempted")
 
 
-def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, reference, tmp_path):
+def test_time_limit_warning_saves_requeues_and_resumes_exactly(scenarios, reference):
     """The sbatch script's --signal=B:USR1@180 warning, sent by hand: save, requeue, resume. (With
     --no-requeue it saves and ends COMPLETED instead: tests/scripts/test_slurm.py.)"""
-    job, text, run_dir, save, state, context = interrupted_run(
-        cluster, tmp_path, lambda job: cluster.run(["scancel", "--signal=USR1", "--batch", job], check=True))
+    job, text, run_dir, save, state, context = seen(scenarios, "usr1")
     assert state in ("COMPLETED", None), context
     assert text.count("cp_ext: USR1 (time limit near): SIGTERM to the training ranks") == 1, context
     assert_resumed_exactly(job, text, run_dir, save, context, reference, "stopped at the time-limit warning (USR1)")

@@ -19,7 +19,7 @@ import pytest
 from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
 
 TRACKER = "latest_checkpointed_iteration.txt"
-pytestmark = pytest.mark.ci_leg("3.12")  # the kernel's PR_SET_PDEATHSIG, on either megatron-core
+pytestmark = pytest.mark.ci_leg("3.11")  # the kernel's PR_SET_PDEATHSIG, on either megatron-core
 FLAGS = ["--num-experts", "4", "--log-interval", "1", "--lr-decay-iters", "100000"]
 
 
