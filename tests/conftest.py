@@ -30,7 +30,7 @@ def pytest_configure(config):
                                        "machine (tests/scripts/multinode_cluster.py; root; skips where it cannot be built)")
     config.addinivalue_line("markers", "ci_leg(python): checks what the launcher, SLURM, the kernel or the network do, the same "
                                        "on every megatron-core: CI runs it on that Python's leg only (CP_EXT_CI_LEG, set by "
-                                       ".ci/run), a plain `pytest tests` everywhere")
+                                       ".ci/run), a plain `pytest tests` everywhere; ci_leg(\"none\"): a plain `pytest tests` only")
     if not _OWNED:
         root = tempfile.mkdtemp(prefix="cp_ext_suite_")
         _OWNED.append(root)

@@ -26,24 +26,19 @@ included): about 35 s until both long jobs log iteration 2, then the faults, 60 
 short jobs run meanwhile), then about 8 s until slurm has ended the jobs; 119 s with
 tests/scripts/test_multinode.py running beside it on the same 2 cores (both passed).
 
-In a session the scenario starts as soon as the tests are collected (``start_early``, called by
-tests/conftest.py) and runs in a thread beside the rest of the suite: its jobs need little CPU, and most
-of its time is the timeout's wait. The tests then read what it saw.
-
     pytest -m multinode tests/scripts/test_network_faults.py      # root; skips where no cluster can be built
 """
 
 import json
 import re
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, session_dir
+from tests.launch import REPO_ROOT, TORCHRUN_ENV
 from tests.scripts.multinode_cluster import NODE_IFNAME, PREFIX, running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
@@ -139,36 +134,10 @@ def wait_for(check, timeout, poll=0.5):
     return check()
 
 
-_EARLY = {}
-
-
-def start_early():
-    """Called by tests/conftest.py once the session has collected this module: the scenario runs in a
-    thread beside the rest of the suite (its minute of timeout leaves the cores to other tests)."""
-    root = Path(tempfile.mkdtemp(prefix="netfaults_", dir=session_dir()))
-    _EARLY["thread"] = threading.Thread(target=_scenario, args=(root,), daemon=True)
-    _EARLY["thread"].start()
-
-
 @pytest.fixture(scope="module")
-def faults():
-    """What the scenario saw (``_scenario``); the tests below read it."""
-    if "thread" not in _EARLY:  # run on its own, outside a session that started it early
-        start_early()
-    _EARLY["thread"].join(timeout=1200)
-    assert not _EARLY["thread"].is_alive(), "the network-fault scenario hung"
-    if "error" in _EARLY:  # a skip (no cluster here), a failure, or what the cluster left behind
-        raise _EARLY["error"]
-    return _EARLY["result"]
-
-
-def _scenario(root):
-    """Runs the four jobs and the faults (module docstring) on a cluster it stops at the end; what it saw
-    goes to ``_EARLY["result"]``, an exception (pytest's skip included) to ``_EARLY["error"]``."""
-    try:
-        _EARLY["result"] = _faults(root)
-    except BaseException as e:  # noqa: B036 - pytest.skip raises a BaseException, re-raised by the fixture
-        _EARLY["error"] = e
+def faults(tmp_path_factory):
+    """What the scenario (``_faults``) saw; the tests below read it."""
+    return _faults(tmp_path_factory.mktemp("netfaults"))
 
 
 def _faults(root):

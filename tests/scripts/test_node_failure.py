@@ -14,21 +14,16 @@ namespace holder: everything on it dies at once, its network with it). Then:
   (the script's log line), resumes from the last checkpoint and trains to the end;
 * the merged metrics.jsonl holds iterations 1..N once each, with the lm losses of the uninterrupted
   run of the same grid (one node, 2 ranks), and the tracker always names a complete ``iter_`` directory.
-
-In a session the crash and the requeue start as soon as the tests are collected (``start_early``, called
-by tests/conftest.py) and run in a thread beside the rest of the suite (most of their time is waiting for
-SLURM); `test_node_crash` then checks what they did and runs the uninterrupted reference.
 """
 
 import re
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script, session_dir
+from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
@@ -86,26 +81,6 @@ def ranks_and_torchrun(cluster, node):
         (torchrun if b"--rdzv-endpoint" in cmd else ranks).append(pid)
     return ranks, torchrun
 
-
-
-_EARLY = {}
-
-
-def start_early():
-    """Called by tests/conftest.py once the session has collected this module: the crash and SLURM's requeue
-    (mostly waiting: SlurmdTimeout, cred_expire, the scheduler's pass) run in a thread beside the rest of the
-    suite; `test_node_crash` checks what they did."""
-    # short: slurmstepd's socket path in the spool must fit 108 bytes
-    root = Path(tempfile.mkdtemp(prefix="nf_", dir=session_dir()))
-    _EARLY["thread"] = threading.Thread(target=_scenario, args=(root,), daemon=True)
-    _EARLY["thread"].start()
-
-
-def _scenario(root):
-    try:
-        _EARLY["result"] = _crash(root)
-    except BaseException as e:  # noqa: B036 - pytest.skip raises a BaseException, re-raised by the test
-        _EARLY["error"] = e
 
 
 def _crash(tmp_path):
@@ -174,7 +149,7 @@ def _crash(tmp_path):
 
 
 
-def test_node_crash(tmp_path):
+def test_node_crash(tmp_path_factory, tmp_path):
     """See the module docstring. SLURM 22.05 does the requeue itself: the surviving rank exits 1 at once,
     srun (--kill-on-bad-exit) then waits for the dead node's step until slurmctld marks the node DOWN
     (SlurmdTimeout), so the job is still running then and "requeue job JobId=1 due to failure of node n2"
@@ -187,13 +162,7 @@ def test_node_crash(tmp_path):
     scheduler still ran only every 60 s; 201 s with the default cred_expire=120: knobs a real cluster
     keeps at their defaults, so there expect a requeued job to start about 2 minutes after the node
     is marked DOWN)."""
-    if "thread" not in _EARLY:  # run on its own, outside a session that started it early
-        start_early()
-    _EARLY["thread"].join(timeout=900)
-    assert not _EARLY["thread"].is_alive(), "the node-crash scenario hung"
-    if "error" in _EARLY:  # a skip (no cluster here), a failure, or what the cluster left behind
-        raise _EARLY["error"]
-    seen = _EARLY["result"]
+    seen = _crash(tmp_path_factory.mktemp("nf"))  # short: slurmstepd's socket path in the spool must fit 108 bytes
     ckpt, run_dir, job, victim, text, context = (seen[k] for k in ("ckpt", "run_dir", "job", "victim", "text", "context"))
     states, rank_exit, torchrun_exit, watch = (seen[k] for k in ("states", "rank_exit", "torchrun_exit", "watch"))
     lost_addr, ctld_log, runs = seen["lost_addr"], seen["ctld_log"], seen["runs"]

@@ -19,19 +19,14 @@ every rank; each iteration in metrics.jsonl once, with the lm losses of the same
 ``AuthInfo=cred_expire=10`` and ``sched_interval=5`` let the requeued job start within seconds (SLURM's
 defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores, run alone: the module 90 s
 (cluster start and the reference 10 s; preemption 42 s; time-limit warning 38 s); 107 s at 20 iterations.
-In a session the two scenarios start as soon as the tests are collected (``start_early``, called by
-tests/conftest.py) and run beside the rest of the suite.
 """
 
 import re
-import tempfile
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, lm_losses, run_script, session_dir
+from tests.launch import REPO_ROOT, lm_losses, run_script
 from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
 
 pytestmark = pytest.mark.ci_leg("3.12")  # SLURM's preemption and the sbatch script, on either megatron-core
@@ -47,51 +42,32 @@ SAVED = re.compile(r"received SIGTERM \(--exit-signal-handler\): saving and exit
 LIVE = ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "CONFIGURING")
 
 
-_EARLY = {}
-
-
-def start_early():
-    """Called by tests/conftest.py once the session has collected this module: both scenarios run, one after
-    the other on one cluster, in a thread beside the rest of the suite (much of their time is SLURM's: the
-    requeue's wait, the scheduler's pass); the tests check what they saw."""
-    # a short root: slurmstepd's socket path (spool/<node>/<node>_<job>.<step>) must stay under 108 bytes
-    root = Path(tempfile.mkdtemp(prefix="pre_", dir=session_dir()))
-    _EARLY["thread"] = threading.Thread(target=_scenarios, args=(root,), daemon=True)
-    _EARLY["thread"].start()
-
-
 def _scenarios(root):
+    """Both scenarios, one after the other on one cluster: {name: what it saw, or the exception it raised}."""
+    reason = slurm_unavailable(timeout=300)
+    if reason:
+        pytest.skip(f"SLURM not available: {reason}")
+    cluster, seen = SlurmCluster(root / "c", settings=SETTINGS, partitions=PARTITIONS), {}
     try:
-        reason = slurm_unavailable(timeout=300)
-        if reason:
-            pytest.skip(f"SLURM not available: {reason}")
-        cluster = SlurmCluster(root / "c", settings=SETTINGS, partitions=PARTITIONS)
         try:
-            try:
-                cluster.start(timeout=60)
-            except SlurmClusterError as e:
-                pytest.skip(f"SLURM installed but its daemons cannot start here: {e}")
-            for name, scenario in (("preempt", _preempted), ("usr1", _warned)):
-                (root / name).mkdir()
-                try:  # one scenario's failure is its test's, not the other's
-                    _EARLY[name] = scenario(cluster, root / name)
-                except Exception as e:
-                    _EARLY[name] = e
-        finally:
-            cluster.stop()
-    except BaseException as e:  # noqa: B036 - pytest.skip raises a BaseException, re-raised by the tests
-        _EARLY["error"] = e
+            cluster.start(timeout=60)
+        except SlurmClusterError as e:
+            pytest.skip(f"SLURM installed but its daemons cannot start here: {e}")
+        for name, scenario in (("preempt", _preempted), ("usr1", _warned)):
+            (root / name).mkdir()
+            try:  # one scenario's failure is its test's, not the other's
+                seen[name] = scenario(cluster, root / name)
+            except Exception as e:
+                seen[name] = e
+    finally:
+        cluster.stop()
+    return seen
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    if "thread" not in _EARLY:  # run on its own, outside a session that started it early
-        start_early()
-    _EARLY["thread"].join(timeout=900)
-    assert not _EARLY["thread"].is_alive(), "the requeue scenarios hung"
-    if "error" in _EARLY:  # a skip (no SLURM here), or a cluster that failed
-        raise _EARLY["error"]
-    return _EARLY
+def scenarios(tmp_path_factory):
+    # a short root: slurmstepd's socket path (spool/<node>/<node>_<job>.<step>) must stay under 108 bytes
+    return _scenarios(tmp_path_factory.mktemp("pre"))
 
 
 def seen(scenarios, name):

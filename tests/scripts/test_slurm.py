@@ -48,12 +48,28 @@ def submit(cluster, tmp_path, *args, **env_vars):
     env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                **env_vars)
     cpus = min(2, cluster.cpus)
-    cmd = ["sbatch", "--wait", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={cpus}",
+    cmd = ["sbatch", "--parsable", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={cpus}",
            "--time=10", "--job-name=cp_ext_test", str(SCRIPT), *map(str, args)]
-    proc = cluster.run(cmd, check=False, timeout=300, env=env, cwd=REPO_ROOT)
+    proc = cluster.run(cmd, check=False, timeout=60, env=env, cwd=REPO_ROOT)
+    job = proc.stdout.strip().split(";")[0] if proc.returncode == 0 else None
+    if job:  # as sbatch --wait, whose polls come every 8 s here: sbatch's exit status is the job's
+        proc.returncode = wait_for_job(cluster, job)
     log = out.read_text() if out.exists() else "(no job output)"
-    job = re.search(r"Submitted batch job (\d+)", proc.stdout)
-    return proc, log, job and job.group(1)
+    return proc, log, job
+
+
+def wait_for_job(cluster, job, timeout=300):
+    """The job's exit status once it has ended (polled every 0.5 s), as `sbatch --wait` gives it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(cluster, job) or ""
+        state, code = re.search(r"JobState=(\S+)", info), re.search(r"ExitCode=(\d+):(\d+)", info)
+        if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and code:
+            return int(code.group(1)) or (128 + int(code.group(2)) if int(code.group(2)) else 0)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} did not end within {timeout} s\n{cluster.logs()}")
 
 
 def job_info(cluster, job):
