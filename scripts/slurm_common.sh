@@ -141,6 +141,7 @@ cp_ext_slurm_launch() {
 
     MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}"
     export MASTER_ADDR MASTER_PORT
+
     local -a torchrun
     if [[ -n "${TORCHRUN:-}" ]]; then
         read -r -a torchrun <<<"$TORCHRUN"
@@ -216,7 +217,11 @@ cp_ext_slurm_launch() {
 # Requeue this job (SLURM then ends this script; the requeued run resumes with --load), or say why not.
 cp_ext_requeue() {
     local why=$1
-    if scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -qw 'Requeue=1' && scontrol requeue "$SLURM_JOB_ID"; then
+    # Not `scontrol ... | grep -q`: grep ends at its match, and under pipefail a scontrol that then meets a
+    # closed pipe would make the pipeline fail.
+    local shown
+    shown=" $(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr '\n' ' ') " || true
+    if [[ "$shown" == *" Requeue=1 "* ]] && scontrol requeue "$SLURM_JOB_ID"; then
         echo "cp_ext: job $SLURM_JOB_ID $why: requeued (scontrol requeue); with --load it resumes from the last" \
              "complete checkpoint"
         sleep 600 || true  # SLURM ends the script as it requeues the job
@@ -317,7 +322,7 @@ while True:  # let each prober close first (no TIME_WAIT on this side of the por
 
 # Whether SLURM has preempted this job (`scontrol show job`: PreemptTime is set once it has).
 cp_ext_preempted() {
-    scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q 'PreemptTime=[0-9]'
+    [[ "$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)" =~ PreemptTime=[0-9] ]]  # not | grep -q (see cp_ext_requeue)
 }
 
 # The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the
