@@ -40,29 +40,57 @@ class ExitSignalHandler:
         signal.signal(self.sig, self._previous)
 
 
+def _kill_me_when_parent_dies(parent):
+    """``PR_SET_PDEATHSIG``: the kernel sends this process SIGKILL when ``parent`` (the thread that started
+    it) exits. False where the call is unavailable."""
+    import ctypes
+    import os
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the prctl took hold
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def die_with_launcher():
-    """Under torchrun: this rank gets SIGKILL when its torchrun agent dies.
+    """Under torchrun: this rank, and every process it forks, gets SIGKILL when its torchrun agent dies.
 
     torchrun ends its workers when it exits normally or on a signal it can catch. A SIGKILL of torchrun (an
     out-of-memory kill, ``kill -9``, a job step torn down by SLURM's ``proctrack/linuxproc``, which finds
     processes by parent) leaves the ranks behind, re-parented to init: a rank blocked in a collective then
     holds its sockets, its memory and the run's log, until someone finds it. ``PR_SET_PDEATHSIG`` makes the
-    kernel kill the rank with its launcher. (Not inherited by a fork: cp_ext's ranks fork no helper
-    processes, see `cp_ext.checkpoint.checkpointer._in_process_write_results`.)"""
-    import ctypes
+    kernel kill the rank with its launcher.
+
+    A fork does not inherit it, and a rank forks: megatron's torch_dist writer starts ``thread_count`` (2)
+    processes for every save (``FileSystemWriterAsync.write_preloaded_data_multiproc``). A writer whose rank
+    is killed mid-save outlives it, blocked for good on the queues it shares with the dead rank (one full
+    suite found one asleep 20 s after torchrun's kill). So each child forked here sets it too, against the
+    rank: the kill reaches the whole tree, however deep. (The kernel ties it to the forking *thread*; the
+    writers are forked by the rank's main thread, and cp_ext saves synchronously.)"""
     import os
     import sys
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    launcher = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != launcher:  # the launcher died before the prctl took hold
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _kill_me_when_parent_dies(os.getppid()):
+        os.register_at_fork(before=_note_forking_process,
+                            after_in_child=lambda: _kill_me_when_parent_dies(_forking_process))
+
+
+_forking_process = None
+
+
+def _note_forking_process():
+    """Before a fork, in the parent: its pid, which the child compares with its own parent's (a child whose
+    parent died during the fork is killed at once). A child of a child records its own parent likewise."""
+    import os
+
+    global _forking_process
+    _forking_process = os.getpid()
 
 
 class ExitConditions:

@@ -84,3 +84,50 @@ def test_no_rank_outlives_a_killed_torchrun(tmp_path):
     resumed = run_script(2, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--train-iters", str(saved + 1), "--load", save,
                          "--log-dir", tmp_path / "resumed")
     assert f"iteration {saved + 1:>8}/" in resumed.stdout, resumed.stdout[-2000:]
+
+
+# A stand-in launcher starts one "rank", which forks a helper (as megatron's checkpoint writer does, through
+# multiprocessing's fork context) that forks one more; each records its pid and sleeps.
+RANK = """
+import multiprocessing, os, sys, time
+from cp_ext.training.signals import die_with_launcher
+die_with_launcher()
+def helper():
+    if os.fork() == 0:
+        open(sys.argv[1] + ".grandchild", "w").write(str(os.getpid())); time.sleep(600)
+    open(sys.argv[1] + ".child", "w").write(str(os.getpid())); time.sleep(600)
+multiprocessing.get_context("fork").Process(target=helper).start()
+open(sys.argv[1] + ".rank", "w").write(str(os.getpid())); time.sleep(600)
+"""
+LAUNCHER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); time.sleep(600)"
+
+
+def test_what_a_rank_forks_dies_with_the_launcher(tmp_path):
+    """The writers megatron's torch_dist save forks (two a save) die with their rank: one full suite found
+    one asleep, outliving a SIGKILLed torchrun, blocked on the queues of its dead rank. Two levels deep."""
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="launcher-death", PYTHONPATH=str(REPO_ROOT))
+    stem = tmp_path / "pid"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, str(stem)], env=env,
+                                start_new_session=True)
+    pids = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 3 and time.monotonic() < deadline and launcher.poll() is None:
+            pids = {who: int(f.read_text()) for who in ("rank", "child", "grandchild")
+                    if (f := stem.with_suffix("." + who)).exists() and f.read_text()}
+            time.sleep(0.1)
+        assert len(pids) == 3, pids
+        procs = {who: psutil.Process(pid) for who, pid in pids.items()}
+        launcher.kill()
+        launcher.wait()
+        _, alive = psutil.wait_procs(procs.values(), timeout=20)
+        assert not [who for who, p in procs.items() if p in alive and not sigkill_pending(p)], \
+            [describe(p) for p in alive]
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
