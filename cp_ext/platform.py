@@ -24,6 +24,7 @@ without TE)                                 fixed on GPU without TE too; 0.17+ d
 ``CheckpointWithoutOutput`` FP8 flag        forced off without TE (megatron bug; GPU too)
 distributed optimizer loading a model-     states the checkpoint lacks (torch Adam's step;
 space checkpoint needs every state          fp32 main params) keep their values (any device)
+``@jit_fuser`` (torch.compile) fusions     run as plain torch (`_fusions_run_eagerly`)
 ``torch.cuda.synchronize()``/streams       no-ops / the current (only) stream, always complete
 /events (alltoall dispatcher)               events (`cp_ext.platform_alltoall`)
 alltoall dispatcher's host split sizes,    host arrays as on GPU; padded equal-size gloo
@@ -310,10 +311,23 @@ def setup_platform(device=None):
     mcore_random.initialize_rng_tracker(force_reset=True)
 
     _cpu_optimizer_and_router()
+    _fusions_run_eagerly()
 
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()
     return cpu
+
+
+def _fusions_run_eagerly():
+    """megatron's fused functions (``@jit_fuser``: torch.compile, e.g. GPT-OSS's quick_gelu, the bias/SwiGLU
+    fusions) run as plain torch on CPU. Inductor's CPU code generation costs seconds per function in every
+    process (GPT-OSS's clamped GLU: 18 s of a 27 s `tools/generate.py` run; 6 s a run with its cache warm) and
+    needs a C++ toolchain, for kernels that exist to fuse GPU memory traffic. megatron's own off switch,
+    ``disable_jit_fuser()``, comes too late: ``jit_fuser`` is bound when each module is imported, and
+    ``import megatron.core`` imports some of them. Dynamo's switch reaches the functions already wrapped."""
+    import torch._dynamo
+
+    _patch(torch._dynamo.config, "disable", True)
 
 
 def teardown_platform():

@@ -71,6 +71,25 @@ def test_megatron_gaps_filled_and_teardown_restores():
     assert out.strip() == "ok"
 
 
+def test_megatrons_fusions_run_eagerly_on_cpu():
+    """``@jit_fuser`` is torch.compile, bound at megatron's import: on CPU its functions run as plain torch (no
+    frame reaches dynamo, the value is eager torch's), and teardown gives dynamo back."""
+    out = _run("""
+        import torch
+        import torch._dynamo.utils as dynamo_utils
+        from megatron.core.activations import quick_gelu  # GPT-OSS's, decorated before cp_ext runs
+        from cp_ext.platform import setup_platform, teardown_platform
+        setup_platform("cpu")
+        x = torch.randn(64)
+        assert torch.equal(quick_gelu(x), x * torch.sigmoid(1.702 * x))
+        assert not dynamo_utils.counters["frames"], dict(dynamo_utils.counters["frames"])
+        teardown_platform()
+        assert torch._dynamo.config.disable is False
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_clip_grad_runs_on_cpu():
     # megatron's clip_grad_by_total_norm_fp32 asserts CUDA float grads
     out = _run("""
