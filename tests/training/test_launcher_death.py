@@ -5,6 +5,7 @@ a rank re-parented to init, blocked in a futex, holding its sockets and the run'
 looked (issue #39). Every rank now dies with its launcher (`cp_ext.training.signals.die_with_launcher`).
 The run saves every iteration, so the kill lands in or near a save; the tracker then names a complete
 checkpoint, which a new run loads (taking the killed run's save lock over) and trains on. About 30 s.
+What a rank forks (megatron's checkpoint writers) dies with it too: a 4 s test forks two levels deep.
 """
 
 import os
