@@ -14,6 +14,8 @@
 #   * a preempted job (PreemptMode=REQUEUE, with a GraceTime longer than an iteration plus a save):
 #     SLURM's SIGTERM reaches torchrun and its ranks, which save and exit; the script then requeues
 #     the job (scontrol requeue), which resumes with --load (sbatch --no-requeue: it says so instead);
+#     under PreemptParameters=send_user_signal SLURM sends the USR1 warning instead (below), and the
+#     job is requeued the same way;
 #   * --exit-signal-handler is on: when the #SBATCH --signal=B:USR1@180 warning reaches this
 #     shell (180 s before the time limit; `scancel --signal=USR1 --batch JOB` sends it by hand),
 #     SIGTERM goes to the training ranks only, on every node, so each finishes its iteration,
@@ -200,10 +202,13 @@ cp_ext_slurm_launch() {
         wait "$step" && status=0 || status=$?
         kill -0 "$step" 2>/dev/null || break  # still running: `wait` was interrupted by the trap
     done
-    if [[ "$status" != 0 ]] && cp_ext_preempted; then
+    if [[ "$status" != 0 || "$CP_EXT_TIME_LIMIT_WARNED" == 1 ]] && cp_ext_preempted; then
         # Preemption (PreemptMode=REQUEUE with a GraceTime) SIGTERMs the step: the ranks save and exit 0
         # (--exit-signal-handler), but torchrun, signalled itself, exits 1, and a job that ends within
-        # its grace time ends FAILED, never requeued. So the job requeues itself.
+        # its grace time ends FAILED, never requeued. So the job requeues itself. (Under
+        # PreemptParameters=send_user_signal, SLURM 22.05: SlurmctldParameters=preempt_send_user_signal,
+        # SLURM sends the USR1 warning instead: the trap below stops the ranks, which save, and torchrun
+        # exits 0.)
         cp_ext_requeue "was preempted" >&2
     elif [[ "$status" == 0 && "$CP_EXT_TIME_LIMIT_WARNED" == 1 ]]; then
         # The time-limit warning stopped the ranks after a save (the ranks cannot tell the script whether
@@ -325,11 +330,16 @@ cp_ext_preempted() {
     [[ "$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)" =~ PreemptTime=[0-9] ]]  # not | grep -q (see cp_ext_requeue)
 }
 
-# The time-limit warning (USR1 to the batch shell): SIGTERM to each node's training ranks, the
-# children of its torchrun (found by this job's rendezvous id in torchrun's command line).
+# The time-limit warning (USR1 to the batch shell; under PreemptParameters=send_user_signal also a
+# preemption's): SIGTERM to each node's training ranks, the children of its torchrun (found by this
+# job's rendezvous id in torchrun's command line).
 cp_ext_forward_exit_signal() {
     CP_EXT_TIME_LIMIT_WARNED=1
-    echo "cp_ext: USR1 (time limit near): SIGTERM to the training ranks; they save and exit"
+    if cp_ext_preempted; then  # PreemptParameters=send_user_signal: SLURM warns a preempted job with its --signal
+        echo "cp_ext: USR1 (preempted, send_user_signal): SIGTERM to the training ranks; they save and exit"
+    else
+        echo "cp_ext: USR1 (time limit near): SIGTERM to the training ranks; they save and exit"
+    fi
     CP_EXT_RDZV_ID="--rdzv-id $SLURM_JOB_ID" srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
         bash -c 'for p in $(pgrep -u "$(id -u)" -f -- "$CP_EXT_RDZV_ID"); do pkill -TERM -P "$p"; done' || true
 }

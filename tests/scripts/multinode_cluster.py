@@ -72,7 +72,7 @@ def unavailable():
 
 
 @contextlib.contextmanager
-def running_cluster(root, num_nodes=2, timeout=60, settings=None):
+def running_cluster(root, num_nodes=2, timeout=60, settings=None, partitions=None):
     """A started `MultiNodeCluster` for a test (or a fixture); skips the test with the reason when slurm
     (installed first if it can be) or the namespaces are not available, or the cluster cannot start
     (``CP_EXT_REQUIRE_MULTINODE=1``: fails instead). Always stopped at the end, and then nothing of
@@ -87,7 +87,7 @@ def running_cluster(root, num_nodes=2, timeout=60, settings=None):
     reason = slurm_unavailable(timeout=300) or unavailable()
     if reason:
         unusable(reason)
-    cluster = MultiNodeCluster(root, num_nodes=num_nodes, settings=settings)
+    cluster = MultiNodeCluster(root, num_nodes=num_nodes, settings=settings, partitions=partitions)
     try:
         try:
             cluster.start(timeout=timeout)
@@ -127,10 +127,11 @@ def _free_subnet():
 
 class MultiNodeCluster(SlurmCluster):
     """``num_nodes`` nodes n1, n2, ... (see the module's docstring); ``settings``: slurm.conf lines to set
-    or replace (e.g. ``{"SlurmdTimeout": 10}`` for a quicker DOWN after `kill_node`)."""
+    or replace (e.g. ``{"SlurmdTimeout": 10}`` for a quicker DOWN after `kill_node`); ``partitions``:
+    {name: its settings}, each over every node (`SlurmCluster`'s)."""
 
-    def __init__(self, root, num_nodes=2, cpus=None, name="cpextmulti", settings=None):
-        super().__init__(root, cpus=cpus, name=name, settings=settings)
+    def __init__(self, root, num_nodes=2, cpus=None, name="cpextmulti", settings=None, partitions=None):
+        super().__init__(root, cpus=cpus, name=name, settings=settings, partitions=partitions)
         self.tag = f"{random.randrange(16 ** 4):04x}"
         self.bridge = f"{PREFIX}{self.tag}br"
         self.net = _free_subnet()
@@ -267,6 +268,7 @@ class MultiNodeCluster(SlurmCluster):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+
     def link_down(self, node):
         """Cut the node off the bridge (its processes keep running; packets to and from it are lost)."""
         self._ip("link", "set", self.veth(node), "down")

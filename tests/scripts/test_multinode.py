@@ -94,10 +94,7 @@ class RankWatch(threading.Thread):
 
 # 2 x 1: one rank a node, the CP ring across the bridge. 2 x 2: two ranks a node (torchrun --nproc-per-node 2,
 # node ranks from the c10d rendezvous), CP 2 inside each node and DP 2 across the bridge, as on GPU nodes.
-# 2 x 1: one rank a node, the CP ring across the bridge. 2 x 2: two ranks a node (torchrun --nproc-per-node 2,
-# node ranks from the c10d rendezvous), CP 2 inside each node and DP 2 across the bridge, as on GPU nodes;
-# a plain `pytest tests` runs it, CI's legs do not (29 s more would take the 3.11 leg past 20 minutes).
-@pytest.mark.parametrize("per_node", [1, pytest.param(2, marks=pytest.mark.ci_leg("none"))], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("per_node", [1, 2], ids=["2x1", "2x2"])
 def test_two_nodes_train_as_one_node(cluster, tmp_path, per_node):
     """``per_node`` CPU ranks on each of 2 nodes, 3 iterations, against the same flags on one node with
     2 x ``per_node`` ranks (the same grid): the same per-iteration lm losses and grad norms (bit-equal
