@@ -73,6 +73,14 @@ def node_memory_mb():
     return 1024
 
 
+# JobState values (scontrol show job) of a job that has ended, or is held and will not run again unasked.
+# Anything else may still change: PENDING, RUNNING, and the transient ones scontrol shows in their place
+# (COMPLETING, CONFIGURING, REQUEUED, RESIZING, SIGNALING while a preemption's or scancel's signal is
+# delivered, STAGE_OUT, ...): a wait that stops at those reads a job mid-way.
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY", "REQUEUE_HOLD", "SPECIAL_EXIT")
+
+
 class SlurmClusterError(RuntimeError):
     pass
 

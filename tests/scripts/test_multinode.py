@@ -22,7 +22,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
-from tests.scripts.slurm_cluster import SlurmClusterError, free_port
+from tests.scripts.slurm_cluster import ENDED, SlurmClusterError, free_port
 
 # The launcher's, SLURM's and the network's behaviour, the same on either megatron-core: CI runs it on the
 # 3.11 leg (its 0.19 leg would not stay under 20 minutes); the model's exactness on 0.19 is the single-node
@@ -163,7 +163,7 @@ def submit_and_wait(cluster, tmp_path, name, timeout=120, per_node=1, **env_vars
     while time.monotonic() < deadline:
         shown = cluster.run(["scontrol", "show", "job", job], check=False).stdout
         state, code = (m and m.group(1) for m in (re.search(r"JobState=(\S+)", shown), re.search(r"ExitCode=(\S+)", shown)))
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        if state is None or state in ENDED:
             break
         time.sleep(0.5)
     return job, state, code, out.read_text() if out.exists() else "(no job output)"

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from tests.launch import REPO_ROOT
-from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
+from tests.scripts.slurm_cluster import ENDED, SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
 
 pytestmark = pytest.mark.ci_leg("3.11")  # the sbatch scripts and SLURM's signals, on either megatron-core
 
@@ -66,7 +66,7 @@ def wait_for_job(cluster, job, timeout=300):
     while time.monotonic() < deadline:
         info = job_info(cluster, job) or ""
         state, code = re.search(r"JobState=(\S+)", info), re.search(r"ExitCode=(\d+):(\d+)", info)
-        if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") and code:
+        if state and state.group(1) in ENDED and code:
             return int(code.group(1)) or (128 + int(code.group(2)) if int(code.group(2)) else 0)
         time.sleep(0.5)
     raise AssertionError(f"job {job} did not end within {timeout} s\n{cluster.logs()}")
