@@ -59,7 +59,8 @@ CLUSTERS = (({}, ("preempt", "usr1")),
 
 def _scenarios(root):
     """Every scenario: {name: what it saw, or the exception it raised}. A cluster that cannot be built
-    skips the module (`running_cluster`)."""
+    skips (or, under CP_EXT_REQUIRE_MULTINODE=1, fails) its own scenarios' tests with the reason
+    (`running_cluster`)."""
     seen = {}
     for i, (extra, names) in enumerate(CLUSTERS):
         try:
@@ -71,7 +72,7 @@ def _scenarios(root):
                         seen[name] = SCENARIOS[name](cluster, root / name)
                     except Exception as e:
                         seen[name] = e
-        except (pytest.skip.Exception, pytest.fail.Exception) as e:  # this cluster's tests skip (or fail) with the reason, not the others
+        except (pytest.skip.Exception, pytest.fail.Exception) as e:
             seen.update((name, e) for name in names)
     return seen
 
