@@ -25,8 +25,8 @@ on one node (one reference run for the module; 2 x 1 nodes equal it bit for bit,
 
 ``AuthInfo=cred_expire=10`` and ``sched_interval=5`` let the requeued job start within seconds (SLURM's
 defaults, 120 s and 60 s, are a real cluster's business). Measured on 2 cores, run alone: the module
-163-223 s on Python 3.12 (two clusters of 2 nodes, 1.1 s each to start; the one-node reference about 10 s;
-each scenario about 50 s), 227 s with megatron's and torch's bytecode caches cold.
+163-264 s on Python 3.12 (two clusters of 2 nodes, 1.1 s each to start; the one-node reference about 10 s;
+each scenario 50-80 s), 227 s with megatron's and torch's bytecode caches cold.
 """
 
 import re
