@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.launch import TORCHRUN_ENV
 from tests.scripts.slurm_cluster import SlurmCluster, SlurmClusterError, node_memory_mb, slurm_unavailable
 
 PREFIX = "cpx"  # every bridge, veth and cgroup made here starts with it (.ci/run checks none remains)
@@ -147,6 +148,14 @@ class MultiNodeCluster(SlurmCluster):
 
     def node_memory(self):
         return max(256, int(node_memory_mb() * 0.9) // self.num_nodes)
+
+    def cpu_job_env(self, per_node=1, **extra):
+        """The environment to sbatch a CPU job of scripts/slurm_multi_node.sbatch with: this cluster's, without
+        a surrounding torchrun's variables, ``per_node`` ranks a node, gloo on the nodes' bridge interface."""
+        env = {k: v for k, v in self.env.items() if k not in TORCHRUN_ENV}
+        env.update(CP_EXT_CPU="1", NPROC_PER_NODE=str(per_node), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME,
+                   **extra)
+        return env
 
     def veth(self, node):
         """The root-namespace end of the node's veth pair (on the bridge)."""

@@ -15,6 +15,7 @@ pointing at the temp ``slurm.conf`` through `cluster.env`.
 """
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -213,6 +214,12 @@ class SlurmCluster:
         if check and proc.returncode != 0:
             raise SlurmClusterError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def job_fields(self, job):
+        """`scontrol show job -o` as {field: value} (JobState, ExitCode, NodeList, ...); {} once slurmctld has
+        purged the record (MinJobAge)."""
+        out = self.run(["scontrol", "show", "job", "-o", str(job)], check=False).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def logs(self, tail=3000):
         out = []

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, run_script
+from tests.launch import REPO_ROOT, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
 from tests.scripts.slurm_cluster import ENDED, SlurmClusterError, free_port
 
@@ -153,16 +153,14 @@ def submit_and_wait(cluster, tmp_path, name, timeout=120, per_node=1, **env_vars
     wait for the job to end, polling `scontrol show job` every 0.5 s (sbatch --wait polls every 8 s here);
     return (job id, JobState, ExitCode, log). Its --log-dir is tmp_path / name."""
     out = tmp_path / f"{name}.out"
-    env = {k: v for k, v in cluster.env.items() if k not in TORCHRUN_ENV}
-    env.update(CP_EXT_CPU="1", NPROC_PER_NODE=str(per_node), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME,
-               **env_vars)
+    env = cluster.cpu_job_env(per_node, **env_vars)
     job = cluster.run(["sbatch", "--parsable", "--nodes=2", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={per_node}",
                        "--time=10", f"--job-name={name}", str(SCRIPT), *FLAGS, "--log-dir", tmp_path / name],
                       check=True, env=env, cwd=REPO_ROOT).stdout.strip().split(";")[0]
     deadline, state, code = time.monotonic() + timeout, None, None
     while time.monotonic() < deadline:
-        shown = cluster.run(["scontrol", "show", "job", job], check=False).stdout
-        state, code = (m and m.group(1) for m in (re.search(r"JobState=(\S+)", shown), re.search(r"ExitCode=(\S+)", shown)))
+        fields = cluster.job_fields(job)
+        state, code = fields.get("JobState"), fields.get("ExitCode")
         if state is None or state in ENDED:
             break
         time.sleep(0.5)

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV
-from tests.scripts.multinode_cluster import NODE_IFNAME, PREFIX, running_cluster
+from tests.launch import REPO_ROOT
+from tests.scripts.multinode_cluster import PREFIX, running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
 
@@ -91,9 +91,8 @@ class Job(threading.Thread):
         self.proc, self.started, self.ended = None, None, None
 
     def run(self):
-        env = {k: v for k, v in self.cluster.env.items() if k not in TORCHRUN_ENV}
-        env.update(CP_EXT_CPU="1", NPROC_PER_NODE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME,
-                   SLURM_STDOUTMODE=str(self.dir / "task-%N.out"), SLURM_STDERRMODE=str(self.dir / "task-%N.err"))
+        env = self.cluster.cpu_job_env(SLURM_STDOUTMODE=str(self.dir / "task-%N.out"),
+                                       SLURM_STDERRMODE=str(self.dir / "task-%N.err"))
         self.started = time.monotonic()
         try:
             self.proc = self.cluster.run(

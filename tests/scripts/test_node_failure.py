@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script
-from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
+from tests.launch import REPO_ROOT, lm_losses, run_script
+from tests.scripts.multinode_cluster import running_cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ci_leg("3.11")]  # faults: the launcher's, SLURM's and the kernel's
 
@@ -63,10 +63,6 @@ class TrackerWatch(threading.Thread):
                 self.bad.append(f"{text}: {sorted(p.name for p in d.iterdir()) if d.exists() else 'missing'}")
 
 
-def job_fields(cluster, job):
-    out = cluster.run(["scontrol", "show", "job", "-o", job], check=False).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
-
 
 def ranks_and_torchrun(cluster, node):
     """(the node's training ranks, its torchrun): pids by command line (srun's also names pretrain_moe.py)."""
@@ -91,8 +87,7 @@ def _crash(tmp_path):
     settings = {"SlurmdTimeout": 10, "AuthInfo": "cred_expire=10",
                 "SchedulerParameters": "sched_interval=5"}
     with running_cluster(tmp_path / "c", num_nodes=3, settings=settings) as cluster:
-        env = {k: v for k, v in cluster.env.items() if k not in TORCHRUN_ENV}
-        env.update(CP_EXT_CPU="1", NPROC_PER_NODE="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=NODE_IFNAME)
+        env = cluster.cpu_job_env()
         sub = cluster.run(["sbatch", "--requeue", "--open-mode=append", "--nodes=2", f"--output={out}",
                            "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--job-name=cp_ext_nodecrash",
                            str(SCRIPT), *FLAGS, "--log-dir", run_dir, "--save", ckpt, "--load", ckpt],
@@ -107,11 +102,11 @@ def _crash(tmp_path):
         try:
             started = time.monotonic()
             while not re.search(r"^ iteration +3/", log(), re.M):
-                state = job_fields(cluster, job).get("JobState")
+                state = cluster.job_fields(job).get("JobState")
                 assert time.monotonic() - started < 240 and state in ("PENDING", "CONFIGURING", "RUNNING"), \
                     f"{state}: no iteration 3\n{log()[-4000:]}\n{cluster.logs()}"
                 time.sleep(0.1)
-            batch_node, victim = cluster.run(["scontrol", "show", "hostnames", job_fields(cluster, job)["NodeList"]]
+            batch_node, victim = cluster.run(["scontrol", "show", "hostnames", cluster.job_fields(job)["NodeList"]]
                                              ).stdout.split()
             assert all(ranks_and_torchrun(cluster, batch_node)), "no rank or torchrun on the batch node"
             killed = time.monotonic()
@@ -123,7 +118,7 @@ def _crash(tmp_path):
                         rank_exit = time.monotonic() - killed
                     if not torchrun:
                         torchrun_exit = time.monotonic() - killed
-                f = job_fields(cluster, job)
+                f = cluster.job_fields(job)
                 state = (f.get("JobState"), f.get("Restarts"), f.get("NodeList"))
                 if not states or states[-1][1:] != state:
                     states.append((round(time.monotonic() - killed, 1), *state))

@@ -34,8 +34,8 @@ import time
 
 import pytest
 
-from tests.launch import REPO_ROOT, TORCHRUN_ENV, lm_losses, run_script
-from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
+from tests.launch import REPO_ROOT, lm_losses, run_script
+from tests.scripts.multinode_cluster import running_cluster
 from tests.scripts.slurm_cluster import ENDED, free_port
 
 # SLURM's preemption and the sbatch script, the same on either megatron-core: the 3.12 leg (the 3.11 leg
@@ -101,17 +101,14 @@ def reference(tmp_path_factory):
 
 def job_state(cluster, job):
     """JobState from `scontrol show job`, None once the record is purged."""
-    state = re.search(r"JobState=(\S+)", cluster.run(["scontrol", "show", "job", job], check=False).stdout)
-    return state and state.group(1)
+    return cluster.job_fields(job).get("JobState")
 
 
 def interrupted_run(cluster, tmp_path, stop):
     """Submit the job in ``low``, call ``stop(job)`` once it has logged iteration 3, wait until it has ended
     (requeued and finished, or not); return (job, its log, run dir, save dir, state, log context)."""
     out, save, run_dir = tmp_path / "low.out", tmp_path / "ck", tmp_path / "run"
-    env = {k: v for k, v in cluster.env.items() if k not in TORCHRUN_ENV}
-    env.update(CP_EXT_CPU="1", NPROC_PER_NODE="1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME=NODE_IFNAME)
+    env = cluster.cpu_job_env(MASTER_PORT=str(free_port()))
     # the script's #SBATCH --exclusive: the job holds both nodes whole
     job = cluster.run(["sbatch", "--parsable", "--requeue", "--partition=low", "--nodes=2", f"--output={out}",
                        "--open-mode=append", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--job-name=low",
