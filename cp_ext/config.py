@@ -36,7 +36,7 @@ class ContextParallelTransformerConfig(TransformerConfig):
 
     cp_comm_types: Optional[List[str]] = None
     """``--cp-comm-type`` per layer when some layer is ``all_gather`` (K/V all-gathered over the
-    CP group, `cp_ext.attention.all_gather`), else None: every layer uses the groups above.
+    CP group, `cp_ext.attention.cp.all_gather`), else None: every layer uses the groups above.
     Not megatron's ``cp_comm_type``, which only TransformerEngine's attention reads."""
 
     cp_mla_exchange: str = "auto"

@@ -182,11 +182,11 @@ def get_context_parallel_positions(seq_len: int, layout: str = "zigzag", device=
     """Global positions of the tokens this rank holds of a ``seq_len`` sequence (CP=1: all).
 
     The one place the data loader, RoPE and the attention agree on who holds what; see
-    `cp_ext.layout.context_parallel_positions` for the layout.
+    `cp_ext.token_partition.context_parallel_positions` for the layout.
     """
     import torch
 
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     if _STATE is None or _STATE.cp_size == 1:
         return torch.arange(seq_len, device=device)

@@ -284,11 +284,11 @@ model_parallel_cuda_manual_seed(1)
 
 
 def fork_workers(script, nproc, args, timeout=600, env=None):
-    """`cp_ext.perf.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
+    """`cp_ext.bench.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
     (or a package module's, ``script`` its dotted name) on ``nproc`` ranks, each rank's
     ``DIR/rank{r}.json`` in rank order. For tests of what a tool measures;
     tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
-    from cp_ext.perf.workers import WorkerConfigError, is_module_name, read_config_error
+    from cp_ext.bench.workers import WorkerConfigError, is_module_name, read_config_error
 
     out = Path(tempfile.mkdtemp(prefix="workers_", dir=session_dir()))
     if is_module_name(script):  # the fork server runs files: one that runs the module as ``python -m`` does

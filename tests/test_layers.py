@@ -1,7 +1,8 @@
 """The import layers in pyproject.toml hold (import-linter's ``lint-imports``), and a broken one fails.
 
 The contracts: every cp_ext package imports only the layers below it (no import circles, no upward
-arrows), and what parse time reads imports neither torch nor megatron-core (docs/architecture.md)."""
+arrows), what parse time reads imports neither torch nor megatron-core, and the training path imports
+no measuring tool (cp_ext.bench) and no loss-curve comparison (cp_ext.compare) (docs/architecture.md)."""
 
 import shutil
 import subprocess
@@ -27,17 +28,28 @@ def _lint_imports(root):
 def test_the_layers_hold():
     code, out = _lint_imports(REPO)
     assert code == 0, out
-    assert "Contracts: 2 kept, 0 broken" in out, out
+    assert "Contracts: 3 kept, 0 broken" in out, out
 
 
 def test_an_upward_import_breaks_them(tmp_path):
     """The same check on a copy where the attention layer imports the trainer fails, naming the arrow."""
     shutil.copytree(REPO / "cp_ext", tmp_path / "cp_ext", ignore=shutil.ignore_patterns("__pycache__"))
-    ring = tmp_path / "cp_ext" / "attention" / "ring.py"
+    ring = tmp_path / "cp_ext" / "attention" / "cp" / "ring.py"
     ring.write_text(ring.read_text() + "\n\ndef _upward():\n    from cp_ext.training.trainer import Trainer  # noqa\n")
     code, out = _lint_imports(tmp_path)
     assert code != 0, out
-    assert "cp_ext.attention.ring -> cp_ext.training.trainer" in out, out
+    assert "cp_ext.attention.cp.ring -> cp_ext.training.trainer" in out, out
+
+
+def test_training_importing_a_benchmark_breaks_them(tmp_path):
+    """A trainer that imports a measuring tool (even a lazy, in-function import) breaks the third contract."""
+    shutil.copytree(REPO / "cp_ext", tmp_path / "cp_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    steps = tmp_path / "cp_ext" / "training" / "steps.py"
+    steps.write_text(steps.read_text() + "\n\ndef _measured():\n    from cp_ext.bench import workers  # noqa\n")
+    code, out = _lint_imports(tmp_path)
+    assert code != 0, out
+    assert "The training path imports no measuring tool and no loss-curve comparison BROKEN" in out, out
+    assert "cp_ext.training.steps -> cp_ext.bench.workers" in out, out
 
 
 TOOL_LINES = 250  # a tool is a front end: argument parsing and printing over the package

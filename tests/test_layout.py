@@ -1,4 +1,4 @@
-"""The CP layout contract (`cp_ext.layout`): zigzag_shard / zigzag_unshard / positions and the sequence-length errors."""
+"""The CP layout contract (`cp_ext.token_partition`): zigzag_shard / zigzag_unshard / positions and the sequence-length errors."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.launch import launch, worker_args, write_results  # noqa: E402
 
-from cp_ext.layout import check_seq_len, contiguous_shard, zigzag_chunk_ids, zigzag_positions, zigzag_shard
+from cp_ext.token_partition import check_seq_len, contiguous_shard, zigzag_chunk_ids, zigzag_positions, zigzag_shard
 
 
 @pytest.mark.quick
@@ -34,7 +34,7 @@ def test_shards_partition_the_sequence_along_any_dim(size):
 
 
 def test_ulysses_times_ring_layout_by_hand():
-    from cp_ext.layout import context_parallel_positions as positions
+    from cp_ext.token_partition import context_parallel_positions as positions
 
     # C = 4 = U2 x R2, zigzag, 16 tokens: ring shards (0,3) and (1,2) of 4 chunks, split in 2
     got = [positions(16, ring_rank=r, ring_size=2, ulysses_rank=u, ulysses_size=2).tolist() for r in range(2) for u in range(2)]
@@ -47,7 +47,7 @@ def test_ulysses_times_ring_layout_by_hand():
 @pytest.mark.parametrize("u,r", [(1, 1), (1, 4), (2, 2), (4, 1), (2, 4), (4, 2)])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ulysses_times_ring_positions_partition_the_sequence(u, r, layout):
-    from cp_ext.layout import context_parallel_positions as positions
+    from cp_ext.token_partition import context_parallel_positions as positions
 
     s = 2 * u * r * 3
     held = [positions(s, ring_rank=i, ring_size=r, ulysses_rank=j, ulysses_size=u, layout=layout)
@@ -85,7 +85,7 @@ def test_unshard_puts_the_sequence_back(unshard_results):
 if __name__ == "__main__":
     import torch.distributed as dist
 
-    from cp_ext.layout import zigzag_unshard
+    from cp_ext.token_partition import zigzag_unshard
 
     args = worker_args()
     dist.init_process_group("gloo")

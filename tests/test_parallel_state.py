@@ -49,7 +49,7 @@ def _snapshot():
     from megatron.core import parallel_state as mpu
 
     from cp_ext import parallel_state as ps
-    from cp_ext.attention.utils import RingComm
+    from cp_ext.attention.cp.primitives import RingComm
 
     return dict(
         cp=list(mpu.get_context_parallel_global_ranks()),
@@ -75,7 +75,7 @@ def _ring_attention_default_group():
 
     from cp_ext import parallel_state as ps
     from cp_ext.attention import ring_attention
-    from cp_ext.layout import zigzag_shard
+    from cp_ext.token_partition import zigzag_shard
 
     r, n = ps.get_ring_rank(), ps.get_ring_world_size()
     g = torch.Generator().manual_seed(1)

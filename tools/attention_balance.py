@@ -1,8 +1,8 @@
 """Causal attention work per CP rank: zigzag vs contiguous sharding.
 
-For each rank this builds the ring's own schedule (`cp_ext.attention.ring.RingSchedule`, what
+For each rank this builds the ring's own schedule (`cp_ext.attention.cp.ring.RingSchedule`, what
 the forward and backward loops run) and counts the (query, key) pairs each tile's kernel calls
-compute (`cp_ext.attention.masks.Block.pairs`: a causal diagonal tile of n rows counts n(n+1)/2,
+compute (`cp_ext.attention.masks.tiles.Block.pairs`: a causal diagonal tile of n rows counts n(n+1)/2,
 a full tile rows x cols). So the numbers cannot drift from the code.
 
     python tools/attention_balance.py [--seq-len-per-chunk 1024]
@@ -11,7 +11,7 @@ a full tile rows x cols). So the numbers cannot drift from the code.
 import argparse
 import sys
 
-from cp_ext.attention.balance import print_balance
+from cp_ext.bench.attention_balance import print_balance
 
 
 def main(argv=None):

@@ -15,19 +15,19 @@ slowest rank's:
 
 * ``ideal``: single-device attention on 1/C of the work: the local kernel, fwd + bwd, on the
   whole sequence for h/C query heads (h_kv/C KV heads when divisible). No communication.
-* ``ring``: `cp_ext.attention.ring.ring_attention` on the s/C-token shard (``--layout``).
+* ``ring``: `cp_ext.attention.cp.ring.ring_attention` on the s/C-token shard (``--layout``).
 * ``compute``: the ring's own code (`ring_attn_forward` / `ring_attn_backward`, same step
   plan, same tiles, same merges and accumulators) with `RingComm` replaced by a no-op that
   hands back the local KV: the compute-only time of the same tiles. ring / compute is the
   overlap figure (1.0 = communication fully hidden).
-* ``ulysses``: `cp_ext.attention.ulysses.ulysses_attention` over all C ranks (needs h % C == 0).
-* ``hybrid``: `cp_ext.attention.dispatch.hybrid_attention` with ``--ulysses-size`` U and a ring
+* ``ulysses``: `cp_ext.attention.cp.ulysses.ulysses_attention` over all C ranks (needs h % C == 0).
+* ``hybrid``: `cp_ext.attention.cp.context_parallel.hybrid_attention` with ``--ulysses-size`` U and a ring
   of C/U (only when 1 < U < C).
-* ``all_gather``: `cp_ext.attention.all_gather.all_gather_attention` over all C ranks (K/V
+* ``all_gather``: `cp_ext.attention.cp.all_gather.all_gather_attention` over all C ranks (K/V
   all-gathered, dK/dV reduce-scattered); not in the default list, ask for it with --variants.
 
 ``--documents N``: every sample is N equal documents (ids made for the whole sequence and
-sharded like the tokens, `cp_ext.layout.context_parallel_positions`). The ring and
+sharded like the tokens, `cp_ext.token_partition.context_parallel_positions`). The ring and
 all_gather (default variants then: ``ring,all_gather``) also run with these ``document_ids``,
 interleaved with their own runs without (``ring+docs`` right after ``ring``), and are reported
 side by side: forward tiles computed per rank and query-key pairs computed (`count_work`: a
@@ -53,12 +53,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.bench import (
+from cp_ext.bench.attention import (
     DTYPES, VARIANTS, attention_call, build_groups, count_variants, report, report_paired, time_interleaved,
 )
-from cp_ext.attention.utils import communication_removed
+from cp_ext.attention.cp.primitives import communication_removed
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.layout import context_parallel_positions
+from cp_ext.token_partition import context_parallel_positions
 
 
 def main(argv=None):

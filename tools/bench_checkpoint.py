@@ -89,7 +89,7 @@ def main():
     known, flags = p.parse_known_args()
     if not flags:
         flags = ["--config", "configs/cpu_demo.yaml", "--context-parallel-size", "1"]
-    from cp_ext.perf.workers import WorkerError, run_workers
+    from cp_ext.bench.workers import WorkerError, run_workers
 
     try:
         ranks = run_workers(__file__, known.nproc, ["--repeats", known.repeats, *flags], timeout=None)

@@ -8,7 +8,7 @@ indexer head dim 128), fewer heads (attention and indexer: 4), fp32. Fwd + bwd o
 latent and ``linear_kv_up_proj`` weight, interleaved per repetition after a barrier each, a repetition's time
 being the slowest rank's; the ratio is the median of the per-repetition DSA / dense ratios, printed beside
 the ratio of CPU seconds (every rank's, summed: what a shared box's other load does not change)
-(`cp_ext.attention.bench_dsa`: what each side runs). ``--dense latent,kv`` picks the dense baselines (the
+(`cp_ext.bench.dsa`: what each side runs). ``--dense latent,kv`` picks the dense baselines (the
 latent ring, ``--cp-mla-exchange latent``, and megatron's per-head K/V); the ratio is printed against each.
 
 Also reported: the ring bytes per rank, counted at the call sites in every timed call (each must equal
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention import bench_dsa as B
-from cp_ext.attention.bench import time_interleaved
-from cp_ext.attention.dsa_indexer import DEFAULT_KEY_TILE, DEFAULT_QUERY_TILE
+from cp_ext.bench import dsa as B
+from cp_ext.bench.attention import time_interleaved
+from cp_ext.attention.dsa.indexer import DEFAULT_KEY_TILE, DEFAULT_QUERY_TILE
 
 
 def parse(argv=None):

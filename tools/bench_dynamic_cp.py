@@ -7,7 +7,7 @@ dynamic-CP scheduler and cp_ext's.
 The mix: lognormal lengths with Megatron's example's sigma (1.5; examples' --dynamic-cp mix, mean 1024, 128 to
 8192 tokens) scaled 16x: median 16384, clipped to 1K-128K. The model: a Qwen3-30B-A3B-like MoE layer (hidden
 2048, 32 heads of 128, 4 KV groups, 8 of 128 experts of 768, 48 layers). What each number means and the model
-of a step: `cp_ext.perf.dynamic_cp`. These are counts and a model, not timings: on a 2-core machine the
+of a step: `cp_ext.bench.dynamic_cp`. These are counts and a model, not timings: on a 2-core machine the
 ranks share cores, so wall time cannot show a rank's imbalance.
 
 ``--timed`` also times what a CPU can show, with no communication: every rank's attention forward of each
@@ -19,7 +19,7 @@ same plans; at lengths / ``--timed-scale`` (default 16), which a CPU computes in
 import argparse
 import json
 
-from cp_ext.perf.dynamic_cp import BenchModel, Hardware, compare, lognormal_lengths
+from cp_ext.bench.dynamic_cp import BenchModel, Hardware, compare, lognormal_lengths
 
 
 def parse(argv=None):

@@ -1,7 +1,7 @@
 """Generation at CP = 1, 2, 4 side by side in one run: KV-cache bytes per rank, prefill tokens/s,
 decode ms/token, and the bytes a rank receives per decoded token and layer against the formula.
 
-Launches the model (`cp_ext.training.setup.model_from_flags`) and `cp_ext.inference.Generator` under
+Launches the model (`cp_ext.training.model_from_flags.model_from_flags`) and `cp_ext.inference.Generator` under
 torchrun once on ``--nproc`` ranks (4 on CPU); for every CP size dividing it (CP1 runs as DP4, CP2 as DP2: every rank
 generates, as tools/generate.py does), it prefills one random ``--prompt-length``-token prompt
 and decodes ``--new-tokens`` greedily, ``--repeats`` times, alternating the sizes (this machine
@@ -41,7 +41,7 @@ def _worker(argv):
     from cp_ext.arguments import parse_args
     from cp_ext.inference import Generator, decode_bytes_per_token_layer
     from cp_ext.perf.counter import count_comm
-    from cp_ext.training.setup import model_from_flags
+    from cp_ext.training.model_from_flags import model_from_flags
 
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])  # the process group starts with the first model
@@ -79,7 +79,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     known, flags = p.parse_known_args()
     flags = flags or DEFAULT_MODEL
-    from cp_ext.perf.workers import WorkerError, run_workers
+    from cp_ext.bench.workers import WorkerError, run_workers
 
     try:
         ranks = run_workers(__file__, known.nproc, ["--prompt-length", known.prompt_length, "--new-tokens",

@@ -10,7 +10,7 @@ kv_lora_rank 512), fewer heads. Both sides start from the same q, latent ``[c | 
 * ``kv``: megatron's path. Each rank up-projects its own tokens' latent to per-head K/V
   (autograd), then `ring_attention` / `all_gather_attention` moves those.
 * ``latent``: ``--cp-mla-exchange latent``. The same call with ``up_weight``: the latent travels,
-  every block is up-projected where it is used (`cp_ext.attention.kv_message.LatentKV`).
+  every block is up-projected where it is used (`cp_ext.attention.cp.kv_message.LatentKV`).
 
 The two run interleaved, after a barrier each, a repetition's time being the slowest rank's;
 the ratio is the median of the per-repetition latent / kv ratios. Bytes are counted at the call

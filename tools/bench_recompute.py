@@ -85,7 +85,7 @@ def main(argv=None):
     flags = [f for f in args.trainer_flags if f != "--"]
     if any(f.startswith("--recompute") or "cp-aware-recompute" in f for f in flags):
         p.error("give the trainer flags without recompute flags: every mode is run")
-    from cp_ext.perf.workers import WorkerError, run_workers
+    from cp_ext.bench.workers import WorkerError, run_workers
 
     try:
         result = run_workers(__file__, args.nproc, ["--rounds", args.rounds, *flags],

@@ -208,7 +208,7 @@ def main(argv=None):
     except ConfigError as e:
         exit_with_config_error("eval_long_context.py", e)
 
-    from cp_ext.training.setup import leave_distributed, model_from_flags
+    from cp_ext.training.model_from_flags import leave_distributed, model_from_flags
 
     results = {}
     for length in tool.lengths:  # the model at each length (RoPE and the CP layout depend on it), weights only

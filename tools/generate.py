@@ -157,7 +157,7 @@ def main(argv=None):
         exit_with_config_error("generate.py", e)
 
     from cp_ext.inference import Generator, Sampling
-    from cp_ext.training.setup import leave_distributed, model_from_flags
+    from cp_ext.training.model_from_flags import leave_distributed, model_from_flags
 
     def say(text):
         if rank0:

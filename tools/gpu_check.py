@@ -14,7 +14,7 @@ each test appends its rows to ``DIR/rows.jsonl``, `tests.gpu.conftest`), and pri
 
 1. Preflight: torch, CUDA, the GPUs. No usable CUDA: exit 2 (unless ``--device cpu``).
 2. One device (tests/gpu/test_one_device.py, test_masks.py, test_one_gpu.py): the library's ring
-   (`cp_ext.attention.ring`) on C = 4 ranks of this device over gloo, zigzag, s = 200 tokens =
+   (`cp_ext.attention.cp.ring`) on C = 4 ranks of this device over gloo, zigzag, s = 200 tokens =
    8 chunks of 25, so every step after the first is a half tile of 25 rows; every kernel of
    `KERNELS` that can run here x fp64/fp32/bf16/fp16 x causal/full x MHA/GQA: out, LSE, dq, dk, dv
    against float64 truth. Packed documents through every kernel's segments and through the ring;

@@ -48,8 +48,8 @@ import sys
 from pathlib import Path
 
 from cp_ext.errors import ConfigError
-from cp_ext.perf.workers import WorkerConfigError
-from cp_ext.training.memory_measure import (COMM_TYPES, MODES, compare, measure_table, one_microbatch_notes, peak,
+from cp_ext.bench.workers import WorkerConfigError
+from cp_ext.bench.memory_measure import (COMM_TYPES, MODES, compare, measure_table, one_microbatch_notes, peak,
                                             within_bounds)
 
 # Attention-heavy CPU config: long sequence, small hidden, dense MLP, fp32, one microbatch.

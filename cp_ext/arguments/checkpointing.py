@@ -67,7 +67,7 @@ def apply_checkpoint_args(args, parser, tokens):
         return []
     if not args.load:
         return ["--use-checkpoint-args reads the model flags of the --load checkpoint: add --load DIR"]
-    from cp_ext.checkpoint.layout import meta_to_load
+    from cp_ext.checkpoint.disk_format import meta_to_load
 
     found = meta_to_load(args.load, args.ckpt_fallback)
     meta = (found[1] or {}) if found else {}

@@ -107,7 +107,7 @@ def _context_parallel_problems(args):
         return p
     if args.hierarchical_context_parallel_sizes and args.cp_comm_base != "a2a+p2p":
         p.append("--hierarchical-context-parallel-sizes is only read with --cp-comm-type a2a+p2p")
-    # KV heads need no rule: Ulysses replicates them as needed (cp_ext.attention.ulysses.kv_replicas).
+    # KV heads need no rule: Ulysses replicates them as needed (cp_ext.attention.cp.ulysses.kv_replicas).
     heads = args.num_attention_heads // max(tp, 1)
     if u > 1 and heads % u:
         p.append(f"--num-attention-heads {args.num_attention_heads} / TP {tp} = {heads} query heads per TP rank "

@@ -13,7 +13,7 @@ What each part of training saves is its own business (`cp_ext.checkpoint.state`)
 decides what to save and load (Megatron's --no-load-optim, --no-load-rng, --finetune) and makes it
 durable. The tensors are written by every rank in parallel, replicas spread over the DP×CP group
 (megatron's fully parallel save), so each rank writes about 1/(DP×CP) of them. The directory, the
-tracker, meta.json and the atomic publish are `cp_ext.checkpoint.layout`'s; the parse-time checks on
+tracker, meta.json and the atomic publish are `cp_ext.checkpoint.disk_format`'s; the parse-time checks on
 --load/--save are `cp_ext.checkpoint.checks`'.
 """
 
@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.dict_utils import merge
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from cp_ext import MEGATRON_CORE_VERSION
-from cp_ext.checkpoint.layout import (
+from cp_ext.checkpoint.disk_format import (
     META, MODEL_FLAGS, SCHEDULE_FLAGS, TENSOR_INDEX, TRACKER, complete_iterations, iteration_dir,
     latest_iteration, publish, read_meta, staging_dir, write_meta,
 )

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cp_ext.checkpoint.layout import (
+from cp_ext.checkpoint.disk_format import (
     MODEL_FLAGS, META, SCHEDULE_FLAGS, TRACKER, iteration_dir, latest_iteration, meta_to_load,
 )
 

@@ -11,9 +11,9 @@ import argparse
 import math
 import sys
 
-from cp_ext.training.loss_curves import (DEFAULT_KEY, InputError, band_check, compare, compare_metrics,
+from cp_ext.compare.curves import (DEFAULT_KEY, InputError, band_check, compare, compare_metrics,
                                          load_curve, ranges)
-from cp_ext.training.loss_report import EXIT_BAD_INPUT, plot, report, require_matplotlib
+from cp_ext.compare.report import EXIT_BAD_INPUT, plot, report, require_matplotlib
 
 # Every usage and error line starts with the tool's name, also under cp-ext-compare: scripts and
 # tests match "compare_loss_curves.py: error:".

@@ -1,7 +1,7 @@
 """Datasets, tokenizers and packed documents. The CP layout (which positions each CP rank holds) is
-`cp_ext.layout`; its sharding helpers stay importable from here, where earlier releases had them."""
+`cp_ext.token_partition`; its sharding helpers stay importable from here, where earlier releases had them."""
 
-from cp_ext.layout import (
+from cp_ext.token_partition import (
     LAYOUTS,
     check_seq_len,
     contiguous_shard,

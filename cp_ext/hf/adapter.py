@@ -1,6 +1,6 @@
 """What every Hugging Face adapter shares: config.json's common flags, and the attention, norm,
 embedding and output tensors of a GQA model, HF's tensors <-> each of megatron's full tensors (the
-*units* of `cp_ext.models.layout`: one layer's or one expert's). A family subclasses it with its flags
+*units* of `cp_ext.models.parameter_slices`: one layer's or one expert's). A family subclasses it with its flags
 and its MLP (`mlp_unit`, `mlp_split`); `cp_ext.hf.families` lists them.
 
 Explicit per tensor:

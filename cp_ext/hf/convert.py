@@ -8,7 +8,7 @@ checkpoint chunk by chunk, each chunk's full tensor assembled from Hugging Face'
 when the writer asks for it (under torchrun at a grid, each rank its own chunks), and export reads one
 layer's units at a time, splits each back into Hugging Face's by the same adapter, casts to config.json's
 dtype and writes shards of at most ``max_shard_bytes`` with an index, config.json and the tokenizer the
-import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end (`cp_ext.checkpoint.layout`'s
+import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end (`cp_ext.checkpoint.disk_format`'s
 publish). HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
 """
 
@@ -96,7 +96,7 @@ def _mapping_problems(hf, adapter, model):
     """Map every unit this rank holds on headers alone (names and shapes, no data), then check on all ranks
     together that every HF tensor was used: all before anything is written. Every unit is tried, so every
     missing tensor and wrong shape is named (each once, however many ranks hold the unit)."""
-    from cp_ext.models.layout import sharded_tensors
+    from cp_ext.models.parameter_slices import sharded_tensors
 
     shapes, problems = hf.shapes_only(), []
     for t in sharded_tensors(model.sharded_state_dict()):
@@ -153,7 +153,7 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
     from cp_ext.hf.streaming import meta_model, save_streaming
     from cp_ext.arguments import model_args
     from cp_ext.checkpoint.checkpointer import checkpoint_meta
-    from cp_ext.checkpoint.layout import iteration_dir, publish_root, write_meta, write_tracker
+    from cp_ext.checkpoint.disk_format import iteration_dir, publish_root, write_meta, write_tracker
     from cp_ext.checkpoint.state import CONTENT_METADATA
 
     architecture = hf.config["architectures"][0]
@@ -230,7 +230,7 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None) -> Exported:
     from safetensors.torch import save_file
 
     from cp_ext.hf.streaming import load_units, meta_model
-    from cp_ext.checkpoint.layout import iteration_dir, latest_iteration, publish_root
+    from cp_ext.checkpoint.disk_format import iteration_dir, latest_iteration, publish_root
 
     quantized = config.pop("quantization_config", None)  # the import dequantized: the export is not quantized
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from cp_ext.grid import Grid
 from cp_ext.megatron_compat import load_checkpoint
 from cp_ext.models.factory import build_model_stack
-from cp_ext.models.layout import sharded_tensors
+from cp_ext.models.parameter_slices import sharded_tensors
 
 
 def meta_model(args):

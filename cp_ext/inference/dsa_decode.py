@@ -1,7 +1,7 @@
 """A decode step of DeepSeek sparse attention (DSA) on the CP-sharded KV cache, exact over all ranks.
 
 The cache (`cp_ext.inference.kv_cache.ShardedKVCache`) keeps, per DSA layer and cached token, one row
-``[c | k_pe | k_I]``: MLA's latent (which serves as key and value in MQA mode, `cp_ext.attention.sparse`)
+``[c | k_pe | k_I]``: MLA's latent (which serves as key and value in MQA mode, `cp_ext.attention.dsa.sparse_attention`)
 and the indexer's key, ``kv_lora_rank + qk_pos_emb_head_dim + index_head_dim`` values. Ring rank r holds its
 prefill shard and every R-th decoded token, as for MLA. One new token (the same on every CP rank)::
 
@@ -19,8 +19,8 @@ Per token and layer a rank sends its k candidates (2k values per sample) besides
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.dsa_indexer import RunningTopK, index_scores
-from cp_ext.attention.utils import accum_dtype
+from cp_ext.attention.dsa.indexer import RunningTopK, index_scores
+from cp_ext.attention.cp.primitives import accum_dtype
 
 
 def _global_topk(state: RunningTopK, group, size: int):

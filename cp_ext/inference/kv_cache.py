@@ -3,7 +3,7 @@
 A CP group of C = U x R ranks (U Ulysses, R ring) prefills a prompt with the training
 layout. Rank (u, r) then keeps, for every layer, what the hybrid attention held at its ring
 step: the keys and values of **ring shard r** (its ring's tokens) for the **u-th slice of the
-KV heads** (after the GQA replication of `cp_ext.attention.ulysses.kv_replicas`)::
+KV heads** (after the GQA replication of `cp_ext.attention.cp.ulysses.kv_replicas`)::
 
     pure ring (U = 1)     rank r: its sequence shard, all heads
     pure Ulysses (R = 1)  rank u: the whole prompt, heads u*h/U ... (u+1)*h/U
@@ -21,13 +21,13 @@ cached key, so there is no mask)::
     2. ring rank (t mod R) of every ring appends k, v: new tokens are dealt round robin
     3. local attention of q against this rank's cache            -> (out, lse) partial
     4. all-gather (out, lse) over the ring group, LSE merge       -> out for heads u
-       (`cp_ext.attention.utils.update_out_and_lse`, training's ring merge)
+       (`cp_ext.attention.cp.primitives.update_out_and_lse`, training's ring merge)
     5. all-gather the head slices over the Ulysses group          -> out for all heads
 
 A multi-latent attention layer under the latent exchange (``--cp-mla-exchange latent``,
 `cp_ext.transformer.mla`) caches the latent ``[c | k_pe]`` (kv_lora_rank + qk_pos_emb_head_dim per
 token, one "head") instead of every head's K/V, and decodes with the up-projection absorbed into
-the query and the output (`cp_ext.attention.kv_message.LatentKV.absorb_query`): 576 values per
+the query and the output (`cp_ext.attention.cp.kv_message.LatentKV.absorb_query`): 576 values per
 token and layer instead of 128 x (192 + 128) = 40,960 at DeepSeek-V3 size.
 
 Per decoded token and layer a rank sends (and receives) (R-1) x b x h/U x (d+1) fp32 values in its
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.attention.kv_message import LatentKV
-from cp_ext.attention.ulysses import kv_replicas, seq_to_heads
-from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
-from cp_ext.layout import context_parallel_positions
+from cp_ext.attention.cp.kv_message import LatentKV
+from cp_ext.attention.cp.ulysses import kv_replicas, seq_to_heads
+from cp_ext.attention.cp.primitives import accum_dtype, add_sink, update_out_and_lse
+from cp_ext.token_partition import context_parallel_positions
 from cp_ext.perf.counter import COMM_COUNTER
 
 
@@ -117,7 +117,7 @@ class ShardedKVCache:
         latent (key [s_local, b, r + p], value None; the latent exchange runs with U = 1).
 
         The Ulysses all-to-all gives this rank its ring shard for its head slice, exactly what
-        the attention's own exchange gives it (`cp_ext.attention.dispatch`, `_Plan.to_heads`)."""
+        the attention's own exchange gives it (`cp_ext.attention.cp.context_parallel`, `_CallContext.to_heads`)."""
         if value is None:
             key = key.unsqueeze(2)  # one "head" of latents
         rep = 1 if value is None else kv_replicas(num_heads, key.shape[2], self.ulysses_size)

@@ -50,7 +50,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from cp_ext.megatron_compat import quiet_gpt_model_deprecation, spec_parts
-from cp_ext.models.layout import iter_global_slices
+from cp_ext.models.parameter_slices import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
@@ -185,7 +185,7 @@ def _key_seed(seed: int, key: str) -> int:
 
 
 def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """The full tensor of one unit (see cp_ext.models.layout), drawn as megatron's default init would.
+    """The full tensor of one unit (see cp_ext.models.parameter_slices), drawn as megatron's default init would.
 
     `key` (the checkpoint key) decides the distribution; `unit` seeds the generator.
     """

@@ -48,7 +48,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
-from cp_ext.layout import context_parallel_positions
+from cp_ext.token_partition import context_parallel_positions
 from cp_ext.transformer.dynamic_cp import dynamic_params
 from cp_ext.transformer.norms import SequenceParallelNorm
 
@@ -80,7 +80,7 @@ class GlobalSequence:
     ``shifted(k)`` is this rank's shard of the whole sequence shifted left by k: at global
     position p the value at p + k, 0 where p + k is past the end (torch.roll with megatron's fill).
     ``dynamic`` (dynamic CP's `DynamicCPParams`): over the microbatch's group instead, whose sequence is its
-    documents one after another (each padded, `cp_ext.layout.DocumentZigzag`), each shifted on its own, as
+    documents one after another (each padded, `cp_ext.token_partition.DocumentZigzag`), each shifted on its own, as
     megatron rolls each sequence of a packed (THD) batch: past a document's padded end is past the end."""
 
     def __init__(self, local: torch.Tensor, layout: str, dim: int = -1, dynamic=None):

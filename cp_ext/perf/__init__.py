@@ -5,9 +5,9 @@ sites and by formula) and per-rank memory formulas.
 * `cp_ext.perf.comm`: the formulas for bytes sent per rank by the ring, Ulysses, TP and EP;
 * `cp_ext.perf.memory`: parameter counts and per-rank memory (weights, grads, optimizer,
   activations, attention state) used by the planner (``tools/plan_parallelism.py``);
+* `cp_ext.perf.parallelism_planner`: the planner itself, ranking TP x PP x CP x DP x EP grids;
 * `cp_ext.perf.saved_tensors`: measured memory, the bytes autograd saves for backward and what an
   all-gather attention call holds while it runs (``tools/measure_memory.py``);
-* `cp_ext.perf.workers`: a measurement's ranks under torchrun, each writing its JSON record.
 
 The planner's modules (`memory`, `model_shape`) import no torch, so the planner runs anywhere
 (an import-linter contract in pyproject.toml keeps them so).

@@ -6,23 +6,23 @@ h query heads, hk KV heads, d head dim, ``s_local`` the tokens one rank holds (s
 ``e`` bytes per element of the activations, ``acc`` bytes per element of the fp32 (fp64
 for fp64) accumulators.
 
-Ring (`cp_ext.attention.ring`), R ranks, KV block = one ``[2, b, hk, s_local, d]`` message:
+Ring (`cp_ext.attention.cp.ring`), R ranks, KV block = one ``[2, b, hk, s_local, d]`` message:
 
     forward : (R-1) x KV                     KV  = 2 b hk s_local d e
     backward: (R-1) x KV + R x dKV           dKV = 2 b hk s_local d acc  (fp32 accumulator;
                                              R hops: the last one brings each block home)
 
-Ulysses (`cp_ext.attention.ulysses`), U ranks: every exchange is an all-to-all of the local
+Ulysses (`cp_ext.attention.cp.ulysses`), U ranks: every exchange is an all-to-all of the local
 tensor, of which (U-1)/U leaves the rank; KV heads are replicated to hk' = hk x U/gcd(hk, U)
 when hk < U (none otherwise):
 
     forward : (U-1)/U x (q + k + v + out)    q = out = b h s_local d e, k = v = b hk' s_local d e
     backward: (U-1)/U x (dout + dq + dk + dv) = the forward's bytes
 
-Hybrid (`cp_ext.attention.dispatch`), C = U x R: Ulysses on the s/C-token shard, then the ring
+Hybrid (`cp_ext.attention.cp.context_parallel`), C = U x R: Ulysses on the s/C-token shard, then the ring
 over R ranks on s/R tokens with h/U query heads and hk'/U KV heads.
 
-All-gather (`cp_ext.attention.all_gather`), C ranks: K/V all-gathered in the forward and again
+All-gather (`cp_ext.attention.cp.all_gather`), C ranks: K/V all-gathered in the forward and again
 in the backward (each rank sends its block to the C-1 others), then the full-sequence dK/dV
 (fp32 accumulator) reduce-scattered, each rank sending the C-1 blocks it does not own:
 
@@ -58,7 +58,7 @@ def acc_bytes(dtype: str) -> int:
 
 
 def kv_replicas(h: int, hk: int, u: int) -> int:
-    """KV head replication before the Ulysses exchange (as `cp_ext.attention.ulysses.kv_replicas`)."""
+    """KV head replication before the Ulysses exchange (as `cp_ext.attention.cp.ulysses.kv_replicas`)."""
     return u // math.gcd(hk, u)
 
 

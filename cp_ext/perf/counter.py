@@ -1,6 +1,6 @@
 """An opt-in counter of bytes sent per rank, fed by the communication call sites.
 
-`cp_ext.attention.utils.RingComm.send_recv` reports ``"ring_p2p"`` (the bytes of the tensor
+`cp_ext.attention.cp.primitives.RingComm.send_recv` reports ``"ring_p2p"`` (the bytes of the tensor
 sent to the next rank) and the Ulysses all-to-all reports ``"ulysses_a2a"`` (the bytes that
 leave the rank: (U-1)/U of the send buffer). Off by default: the call sites test one
 attribute and do nothing else.

@@ -29,7 +29,7 @@ layer's attention output and LSE (h + a fp32 per token, /t). Measured with tools
 --modes none full full-cp-aware. Under 1F1B the first pipeline stage holds p microbatches
 of L/p layers, i.e. L layers' worth.
 
-All-gather attention (``cp_comm_type="all_gather"``, `cp_ext.attention.all_gather`) holds,
+All-gather attention (``cp_comm_type="all_gather"``, `cp_ext.attention.cp.all_gather`) holds,
 inside each attention call only, the whole sequence's K/V on every rank (``[2, b, g/t, s, d]``
 in the activation dtype) in the forward, and in the backward that gathered K/V again plus the
 full-sequence dK/dV in fp32 before the reduce-scatter (``all_gather_transient_bytes``). It is

@@ -6,7 +6,7 @@
 
 `track_saved_tensors` counts every storage autograd saves (`torch.autograd.graph.saved_tensors_hooks`)
 from the moment it is saved until autograd drops it, and registers with `ALL_GATHER_CALLS`: the
-all-gather attention (`cp_ext.attention.all_gather`) marks its forward and backward with
+all-gather attention (`cp_ext.attention.cp.all_gather`) marks its forward and backward with
 ``ALL_GATHER_CALLS.around``, so each call runs inside a scope of the tracker's while one is
 registered (and calls straight through otherwise, as the counters of `cp_ext.perf.counter` do).
 The layers above pass what they know that this one cannot import: the parameters' storages (not

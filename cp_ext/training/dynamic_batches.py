@@ -5,7 +5,7 @@ its own size, the microbatches each DP x CP rank runs, and their tensors.
     schedule      = --sequence-packing-scheduler over DP x CP ranks (`cp_ext.data.dynamic_schedule`):
                     per microbatch, aligned groups of ranks and the documents each runs
     this rank     = its group in each microbatch -> the group's documents, each padded to a multiple of
-                    2 x size and zigzagged over the group on its own (`cp_ext.layout.DocumentZigzag`),
+                    2 x size and zigzagged over the group on its own (`cp_ext.token_partition.DocumentZigzag`),
                     this rank's positions of them, with the group in megatron's PackedSeqParams seat
                     (`cp_ext.transformer.dynamic_cp.DynamicCPParams`)
 
@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.data.dynamic_schedule import CostModel, Schedule, balanced_schedule, group_sizes, megatron_schedule
-from cp_ext.layout import DocumentZigzag
+from cp_ext.token_partition import DocumentZigzag
 from cp_ext.training.batches import Microbatch, global_batch_sample_ids
 from cp_ext.training.metric_names import DYNAMIC_CP_PREFIX
 from cp_ext.transformer.dynamic_cp import DynamicCPParams

@@ -1,5 +1,5 @@
 """The names runs log their metrics under (metrics.jsonl, wandb, TensorBoard), in one place: the
-trainer writes them and the loss-curve comparison (`cp_ext.training.loss_curves`, `loss_report`) reads
+trainer writes them and the loss-curve comparison (`cp_ext.compare.curves`, `cp_ext.compare.report`) reads
 them. No torch: a tool reading logs imports only this."""
 
 METRIC_KEYS = {

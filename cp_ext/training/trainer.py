@@ -28,8 +28,8 @@ from cp_ext import parallel_state as cp_state
 from cp_ext.arguments import ConfigError, evaluation_splits, model_args
 from cp_ext.arguments.implementations import implementation_note
 from cp_ext.checkpoint.checkpointer import Checkpointer
-from cp_ext.checkpoint.layout import meta_to_load
-from cp_ext.checkpoint.layout import remove_staging_debris
+from cp_ext.checkpoint.disk_format import meta_to_load
+from cp_ext.checkpoint.disk_format import remove_staging_debris
 from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
 from cp_ext.config import transformer_config_from_args
 from cp_ext.console import print_rank_0
@@ -48,7 +48,7 @@ from cp_ext.training.optimizer import build_optimizer
 from cp_ext.training.report import attention_kernel_line, training_line
 from cp_ext.transformer.dsa import INDEXER_LOSSES
 from cp_ext.training.signals import ExitConditions
-from cp_ext.training.setup import leave_distributed
+from cp_ext.training.model_from_flags import leave_distributed
 from cp_ext.training.steps import forward_step
 
 

@@ -14,11 +14,11 @@ result equals attention over the whole sequence.
 
 Packed documents (``--reset-attention-mask``): where megatron passes a boolean
 ``[b, 1, s, s]`` mask, cp_ext passes the *document ids* ``[b, s_local]`` (an integer tensor,
-O(s) instead of O(s^2); `cp_ext.attention.documents`): a token attends only within its
+O(s) instead of O(s^2); `cp_ext.attention.masks.documents`): a token attends only within its
 document, on every CP path and at CP = 1. A ``None`` mask is the plain causal (or full) mask.
 
 ``--cp-comm-type`` may name one type per layer (Megatron's list form); a layer whose type is
-``all_gather`` all-gathers K/V over the CP group (`cp_ext.attention.all_gather`) on the same
+``all_gather`` all-gathers K/V over the CP group (`cp_ext.attention.cp.all_gather`) on the same
 sequence layout as the others.
 
 Under ``--recompute-granularity full`` with CP-aware recompute (the default there), the
@@ -163,7 +163,7 @@ class CoreAttention(MegatronModule):
             if out is not None:
                 return out.reshape(seq, batch, out_dim)
         if parallel_state.get_context_parallel_world_size() > 1 and dynamic is None:
-            from cp_ext.attention.dispatch import context_parallel_attention
+            from cp_ext.attention.cp.context_parallel import context_parallel_attention
 
             if self.dropout_p and self.training:
                 raise NotImplementedError("attention dropout is not supported with context parallelism")
@@ -178,7 +178,7 @@ class CoreAttention(MegatronModule):
         # or MLA's head dims: cp_ext's own local path (the same kernels and masks as CP > 1), no dropout.
         if (self.kernel not in ("auto", "unfused") or document_ids is not None or window is not None
                 or offset is not None or value is None or value.shape[-1] != head_dim):
-            from cp_ext.attention.dispatch import local_attention
+            from cp_ext.attention.cp.context_parallel import local_attention
 
             if dropout_p:
                 raise NotImplementedError(f"attention dropout is not supported by the {self.kernel} kernel"
@@ -202,7 +202,7 @@ class CoreAttention(MegatronModule):
     def _dynamic(self, dynamic, query, key, value, causal, scale, document_ids, window, offset, up_weight):
         """Dynamic CP: the ring (or, for an ``all_gather`` layer, the all-gather) over this microbatch's group,
         on its per-document zigzag (`cp_ext.transformer.dynamic_cp`)."""
-        from cp_ext.attention.dispatch import NO_GROUP, all_gather_attention, hybrid_attention
+        from cp_ext.attention.cp.context_parallel import NO_GROUP, all_gather_attention, hybrid_attention
 
         if self.dropout_p and self.training:
             raise NotImplementedError("attention dropout is not supported with context parallelism")
@@ -223,7 +223,7 @@ def _document_ids(attention_mask, batch, seq, device):
     """The document ids [b, s_local] that cp_ext passes in megatron's attention_mask seat, or None."""
     if attention_mask is None:
         return None
-    from cp_ext.attention.documents import check_document_ids
+    from cp_ext.attention.masks.documents import check_document_ids
 
     if attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point:
         raise NotImplementedError(

@@ -7,9 +7,9 @@ seat and those parameter names (so checkpoints are megatron's), and replaces wha
     MLA (cp_ext.transformer.mla.ContextParallelMLASelfAttention: RoPE at this rank's positions)
       core_attention -> DSACoreAttention
         indexer      -> ContextParallelDSAIndexer (megatron's DSAIndexer's parameters; its scores tiled,
-                        `cp_ext.attention.dsa_indexer.indexer_topk`, on the ring or all-gathered)
-        the sparse core: MLA's MQA mode over the latent (`cp_ext.attention.sparse`), the indexer loss
-                        (`cp_ext.attention.dsa_loss`), both on the same ring / all-gather
+                        `cp_ext.attention.dsa.indexer.indexer_topk`, on the ring or all-gathered)
+        the sparse core: MLA's MQA mode over the latent (`cp_ext.attention.dsa.sparse_attention`), the indexer loss
+                        (`cp_ext.attention.dsa.indexer_loss`), both on the same ring / all-gather
 
 **What differs from megatron-core, on purpose.**
 * The indexer's RoPE: DeepSeek's release (and megatron-core 0.19) rotates the first
@@ -146,9 +146,9 @@ class DSACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, x=None, qr=None):
-        from cp_ext.attention.dsa_indexer import indexer_topk
-        from cp_ext.attention.dsa_loss import indexer_loss
-        from cp_ext.attention.sparse import absorb_query, sparse_attention, up_project_output
+        from cp_ext.attention.dsa.indexer import indexer_topk
+        from cp_ext.attention.dsa.indexer_loss import indexer_loss
+        from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
 
         if value is not None or attention_mask is not None or packed_seq_params is not None:
             raise NotImplementedError("DSA runs on MLA's latent (cp_ext's MLA hands it over), without documents or "
@@ -196,7 +196,7 @@ class DSACoreAttention(MegatronModule):
     def _decode(self, q, latent, x, qr, up_weight):
         """One new token (under SP one identical copy per TP rank) against the cache
         (`cp_ext.inference.dsa_decode`, through the cache's ``attend_sparse``, as CoreAttention calls ``attend``)."""
-        from cp_ext.attention.sparse import up_project_output
+        from cp_ext.attention.dsa.sparse_attention import up_project_output
 
         cfg, copies = self.config, q.shape[0]
         iq, iw, ik = self.indexer.index_inputs(x[:1], qr[:1], gather=False)
@@ -208,7 +208,7 @@ class DSACoreAttention(MegatronModule):
 
     def _dense(self, query, latent, up_weight, context_parallel):
         """Dense causal MLA over every key, on the latent (the kernels and CP paths cp_ext's MLA runs)."""
-        from cp_ext.attention.dispatch import context_parallel_attention, local_attention
+        from cp_ext.attention.cp.context_parallel import context_parallel_attention, local_attention
 
         kernel = getattr(self.config, "attention_kernel", "auto")
         if context_parallel:
@@ -227,7 +227,7 @@ def freeze_all_but_indexer(model: torch.nn.Module) -> None:
 
 
 class IndexerLossTracker:
-    """Each layer's indexer loss share (`cp_ext.attention.dsa_loss`: this rank's part of the mean over the
+    """Each layer's indexer loss share (`cp_ext.attention.dsa.indexer_loss`: this rank's part of the mean over the
     sequence), summed over the layers and microbatches of a step until `take`."""
 
     def __init__(self):

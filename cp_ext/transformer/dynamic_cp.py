@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from cp_ext.layout import DocumentZigzag
+from cp_ext.token_partition import DocumentZigzag
 from cp_ext.megatron_compat import ROUTER_SCALES_AUX_LOSS_BY_TP_CP
 
 

@@ -12,7 +12,7 @@ dims (192 / 128 at DeepSeek-V3 size) on every CP type.
 latent to per-head K/V on its own rank, and the ring or all-gather moves those; with ``latent``
 this module hands the core attention q and the latent ``[c | k_pe]`` (kv_layernorm'd c, roped
 k_pe) instead, and the ring or all-gather moves the latent and up-projects each block where it is
-used (`cp_ext.attention.kv_message.LatentKV`): ``kv_lora_rank + qk_pos_emb_head_dim`` values per
+used (`cp_ext.attention.cp.kv_message.LatentKV`): ``kv_lora_rank + qk_pos_emb_head_dim`` values per
 token instead of ``heads x (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)``. ``auto`` takes the
 latent wherever it is exchanged and smaller: CP > 1 on the ring or all-gather (Ulysses exchanges
 heads, which the latent has not), tensor parallelism 1.

@@ -32,7 +32,7 @@ from collections import deque
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 
-from cp_ext.attention.dispatch import cp_attention_backward, cp_attention_forward
+from cp_ext.attention.cp.context_parallel import cp_attention_backward, cp_attention_forward
 
 
 class ReplayAttention(torch.autograd.Function):
@@ -56,7 +56,7 @@ class KeptAttention:
     """The (out, LSE) pairs one attention module kept for the recompute of its layer, oldest first."""
 
     live_bytes = 0
-    """Bytes kept by every instance in this process (read by `cp_ext.training.memory_measure`)."""
+    """Bytes kept by every instance in this process (read by `cp_ext.bench.memory_measure`)."""
 
     def __init__(self):
         self._kept = deque()

@@ -59,7 +59,7 @@ def test_kernel_forward_backward(dtype, causal, hk):
 @pytest.mark.parametrize("variant", ["ring", "ulysses", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cp_paths_on_one_gpu(nccl_world, variant, dtype):
-    from cp_ext.attention.dispatch import hybrid_attention
+    from cp_ext.attention.cp.context_parallel import hybrid_attention
     from cp_ext.attention import ring_attention
     from cp_ext.attention import ulysses_attention
 

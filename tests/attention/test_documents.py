@@ -76,7 +76,7 @@ def full_document_ids(name, seed=0):
 
 VARIANTS = ("ring2", "ring4", "ring4_contiguous", "ulysses2", "ulysses4", "hybrid_u2r2", "all_gather2", "all_gather4", "all_gather_u2r2",
             "doc_zigzag2", "doc_zigzag4", "all_gather_doc_zigzag4")
-# Dynamic CP's layout (`cp_ext.layout.DocumentZigzag`): each of these documents zigzagged over the group on its
+# Dynamic CP's layout (`cp_ext.token_partition.DocumentZigzag`): each of these documents zigzagged over the group on its
 # own. The masks follow the ids whatever they are, so every distribution runs on it (causal: what dynamic CP trains).
 DOC_ZIGZAG = {2: (4, 12, 20, 28), 4: (8, 24, 16, 16)}
 
@@ -141,7 +141,7 @@ def reference(q, k, v, dout, ids, causal, dtype):
 
 
 def _positions(variant, rank):
-    from cp_ext.layout import DocumentZigzag, context_parallel_positions
+    from cp_ext.token_partition import DocumentZigzag, context_parallel_positions
 
     if "doc_zigzag" in variant:
         size = int(variant[-1])
@@ -158,7 +158,7 @@ def _positions(variant, rank):
 
 def _attn(case, groups, rank, ids_local, positions):
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
-    from cp_ext.layout import DocumentZigzag
+    from cp_ext.token_partition import DocumentZigzag
 
     v, kw = case["variant"], dict(causal=case["causal"], document_ids=None if case["docs"] == "none" else ids_local)
     if v == "ring4_contiguous":
@@ -223,7 +223,7 @@ def _skipping(groups, rank):
     import torch
 
     from cp_ext.attention import ring_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
     from cp_ext.perf.counter import count_comm, count_work
 
     res = {}

@@ -1,4 +1,4 @@
-"""The DSA lightning indexer's tiled top-k (`cp_ext.attention.dsa_indexer`) against a float64 dense reference.
+"""The DSA lightning indexer's tiled top-k (`cp_ext.attention.dsa.indexer`) against a float64 dense reference.
 
 The reference (`dense_scores`, `reference_order`) is written here independently: dense fp64 scores
 [b, s, s] and, per query, its causal keys sorted by (score descending, position ascending) in
@@ -157,9 +157,10 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from cp_ext.attention import dsa_indexer, utils
-    from cp_ext.attention.dsa_indexer import indexer_topk
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.attention.cp import primitives as utils
+    from cp_ext.attention.dsa import indexer as dsa_indexer
+    from cp_ext.attention.dsa.indexer import indexer_topk
+    from cp_ext.token_partition import context_parallel_positions
     from tests.attention.reference import init_four_ranks
 
     args = worker_args()
@@ -254,7 +255,7 @@ def _cp1(inputs, topk, **kw):
     """`indexer_topk` on one process (ragged tiles of 7 keys x 10 queries unless ``kw`` says otherwise)."""
     import torch
 
-    from cp_ext.attention.dsa_indexer import indexer_topk
+    from cp_ext.attention.dsa.indexer import indexer_topk
 
     kw = dict(dict(key_tile=7, query_tile=10, q_positions=torch.arange(inputs[0].shape[0])), **kw)
     return indexer_topk(*inputs, topk=topk, **kw)
@@ -301,7 +302,7 @@ def test_broken_merge_or_tie_rule_fails_the_checks(monkeypatch):
     arrival order, are both caught."""
     import torch
 
-    from cp_ext.attention.dsa_indexer import RunningTopK
+    from cp_ext.attention.dsa.indexer import RunningTopK
 
     inputs, dense, order = draw_inputs(S, torch.float32, (20,))
     original_add = RunningTopK.add

@@ -1,4 +1,4 @@
-"""DSA's indexer loss (`cp_ext.attention.dsa_loss`) under CP against a float64 reference and megatron-core's own.
+"""DSA's indexer loss (`cp_ext.attention.dsa.indexer_loss`) under CP against a float64 reference and megatron-core's own.
 
 The model is test_sparse's (MLA at toy size, its query absorbed into the latent's space) with
 test_dsa_indexer's lightning indexer, whose weights are scaled by 2**-4 (a power of two: the same
@@ -65,7 +65,7 @@ def loss_inputs():
     """(q [s, b, h, r + p] absorbed, kv [s, b, r + p], (iq, iw, ik), reference order) in fp32."""
     import torch
 
-    from cp_ext.attention.sparse import absorb_query
+    from cp_ext.attention.dsa.sparse_attention import absorb_query
 
     attn, (iq, iw, ik), order = model_inputs()
     q_nope, q_pe, c, k_pe, w_up = attn[:5]
@@ -106,7 +106,7 @@ def cp_path(q, kv, indexer, chosen, positions, *, group=None, mode="ring", layou
     """cp_ext's loss on this rank's shard: {loss (the group's shares summed), iq, iw, ik}."""
     import torch.distributed as dist
 
-    from cp_ext.attention.dsa_loss import indexer_loss
+    from cp_ext.attention.dsa.indexer_loss import indexer_loss
 
     iq, iw, ik = [t.index_select(0, positions).requires_grad_() for t in indexer]
     loss = indexer_loss(q.index_select(0, positions)[:, :, heads], kv.index_select(0, positions), iq, iw, ik,
@@ -131,7 +131,7 @@ def check(err, ref_err, cp=1):
 
 def chosen_keys(indexer, topk, positions, **kw):
     """The indexer's selection on this shard (cp_ext's `indexer_topk`), or None for the dense loss."""
-    from cp_ext.attention.dsa_indexer import indexer_topk
+    from cp_ext.attention.dsa.indexer import indexer_topk
 
     if topk is None:
         return None
@@ -165,7 +165,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
     from tests.attention.reference import init_four_ranks
 
     args = worker_args()
@@ -243,7 +243,7 @@ def test_broken_target_or_gradient_fails_the_check(monkeypatch):
     """The bounds can fail: a gradient that drops the target's term, or a support missing one key per query."""
     import torch
 
-    import cp_ext.attention.dsa_loss as dsa_loss
+    import cp_ext.attention.dsa.indexer_loss as dsa_loss
 
     q, kv, indexer, order = loss_inputs()
     truth, everything = reference(q, kv, indexer, order, 20, torch.float64), torch.arange(S)
@@ -267,7 +267,7 @@ def test_no_square_tensor_and_no_gradient_for_the_main_model():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cp_ext.attention.dsa_loss import indexer_loss
+    from cp_ext.attention.dsa.indexer_loss import indexer_loss
 
     q, kv, (iq, iw, ik), _ = loss_inputs()
     q, kv = q.clone().requires_grad_(), kv.clone().requires_grad_()
@@ -293,7 +293,7 @@ def test_no_square_tensor_and_no_gradient_for_the_main_model():
 def test_bad_arguments_are_clear_errors():
     import torch
 
-    from cp_ext.attention.dsa_loss import indexer_loss
+    from cp_ext.attention.dsa.indexer_loss import indexer_loss
 
     q, kv, (iq, iw, ik), _ = loss_inputs()
     kw = dict(softmax_scale=SCALE, loss_coeff=COEFF)

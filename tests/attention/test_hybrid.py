@@ -91,8 +91,8 @@ def _run(case, ulysses_group, ring_group, sends, posts):
     import torch.distributed as dist
 
     from cp_ext import parallel_state as ps
-    from cp_ext.attention.dispatch import context_parallel_attention, hybrid_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.attention.cp.context_parallel import context_parallel_attention, hybrid_attention
+    from cp_ext.token_partition import context_parallel_positions
 
     if case["via"] == "cpattn":
         pos = ps.get_context_parallel_positions(case["s"], layout=case["layout"])
@@ -118,7 +118,7 @@ def _run(case, ulysses_group, ring_group, sends, posts):
 def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
     """What CP-aware recompute does: the forward once (no autograd), then the replay whose
     backward is `cp_attention_backward` on the kept out and LSE."""
-    from cp_ext.attention.dispatch import cp_attention_forward
+    from cp_ext.attention.cp.context_parallel import cp_attention_forward
     from cp_ext.transformer.recompute import ReplayAttention
 
     kwargs = dict(causal=case["causal"], softmax_scale=q.shape[-1] ** -0.5, ulysses_group=ulysses_group,
@@ -131,7 +131,7 @@ def _kept_and_replayed(q, k, v, case, ulysses_group, ring_group):
 def _errors(ulysses_group, ring_group):
     import torch
 
-    from cp_ext.attention.dispatch import hybrid_attention
+    from cp_ext.attention.cp.context_parallel import hybrid_attention
 
     def call(h, layout):
         x = torch.randn(8, 1, h, 16)
@@ -148,7 +148,7 @@ def main():
     from megatron.core import parallel_state as mpu
 
     from cp_ext import parallel_state as ps
-    from cp_ext.attention import utils
+    from cp_ext.attention.cp import primitives as utils
 
     args = worker_args()
     dist.init_process_group("gloo")

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cp_ext.attention.kernels as kernels_module
 import cp_ext.attention.kernels.sdpa_cuda as sdpa_cuda
 from cp_ext.attention.kernels import (
     PREFERENCE,
@@ -25,14 +24,14 @@ from cp_ext.attention.kernels import (
     CudaFlashSdpaKernel,
     FlashAttnKernel,
     UnfusedKernel,
-    _call_by_name,
-    _version,
     choose_kernel,
     cudnn_lse_for_backward,
     get_kernel,
     supported,
 )
-from cp_ext.attention.utils import update_out_and_lse
+from cp_ext.attention.cp.primitives import update_out_and_lse
+from cp_ext.attention.kernels.flash_attn import _call_by_name
+from cp_ext.attention.kernels.version import version as _version
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp64": 1e-12, "fp32": 1e-5, "bf16": 3e-2, "fp16": 4e-3}
@@ -545,7 +544,7 @@ def _document_ids():
 
 
 def _tile_segments(tile):
-    from cp_ext.attention.documents import clip_runs, diagonal_segments, document_runs, tile_segments
+    from cp_ext.attention.masks.documents import clip_runs, diagonal_segments, document_runs, tile_segments
 
     runs = document_runs(_document_ids())
     if tile == "diagonal":
@@ -605,7 +604,7 @@ def test_flash_attn_varlen_no_segments_calls_nothing():
 
 
 def test_varlen_pack_and_lse_layouts():
-    from cp_ext.attention.documents import Segment
+    from cp_ext.attention.masks.documents import Segment
     from cp_ext.attention.kernels import flash_attn_padded_lse, flash_attn_varlen_lse, varlen_pack
 
     p = varlen_pack([Segment(1, 3, 5, 0, 4), Segment(0, 0, 1, 6, 9), Segment(0, 2, 2, 1, 3)], "cpu")  # last: empty

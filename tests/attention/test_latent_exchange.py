@@ -1,4 +1,4 @@
-"""MLA's latent exchange (`cp_ext.attention.kv_message.LatentKV`) equals up-projected K/V, in fp64.
+"""MLA's latent exchange (`cp_ext.attention.cp.kv_message.LatentKV`) equals up-projected K/V, in fp64.
 
 Worker (4 gloo ranks, one launch). Per case every rank draws the same q, the latent
 ``[c | k_pe]`` and ``linear_kv_up_proj``'s weight; the truth up-projects the whole latent with
@@ -68,7 +68,7 @@ def _variant(case, groups, rank):
     import torch.distributed as dist
 
     from cp_ext.attention import all_gather_attention, local_attention, ring_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     kw = dict(causal=case["causal"], window_size=case["window"])
     via = case["via"]
@@ -94,7 +94,7 @@ def _variant(case, groups, rank):
 
 def _kept(q, latent, weight, offset, ids, case, groups):
     """CP-aware recompute's pair with the latent: the forward kept, the backward replayed."""
-    from cp_ext.attention.dispatch import NO_GROUP, cp_attention_forward
+    from cp_ext.attention.cp.context_parallel import NO_GROUP, cp_attention_forward
     from cp_ext.transformer.recompute import ReplayAttention
 
     out, lse, plan = cp_attention_forward(q, latent, None, causal=case["causal"], softmax_scale=None,
@@ -175,7 +175,7 @@ def _errors(groups):
     import torch
 
     from cp_ext.attention import hybrid_attention, ring_attention
-    from cp_ext.attention.dispatch import NO_GROUP
+    from cp_ext.attention.cp.context_parallel import NO_GROUP
 
     q = torch.randn(S // 4, B, H, NOPE + POS, dtype=torch.float64)
     latent = torch.randn(S // 4, B, RANK + POS, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""`cp_ext.attention.masks.plan_tile`: the blocks of a tile cover exactly the pairs the mask allows.
+"""`cp_ext.attention.masks.tiles.plan_tile`: the blocks of a tile cover exactly the pairs the mask allows.
 
 Single process, no kernels: for zigzag and contiguous shards of several sizes, every (q rank, k rank)
 tile, causal and full, windows from 0 to beyond the sequence, one- and two-sided, with and without
@@ -12,9 +12,9 @@ import re
 import pytest
 import torch
 
-from cp_ext.attention.documents import document_runs
-from cp_ext.attention.masks import make_window, plan_tile, position_runs
-from cp_ext.layout import context_parallel_positions
+from cp_ext.attention.masks.documents import document_runs
+from cp_ext.attention.masks.tiles import make_window, plan_tile, position_runs
+from cp_ext.token_partition import context_parallel_positions
 
 
 def _truth(pq, pk, causal, window, dq, dk):

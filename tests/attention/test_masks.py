@@ -69,7 +69,7 @@ def _cases():
         _case("ring4", d=192, dv=128, window=(5, 0), s=16),
         _case("kept", window=(7, 0), sink=True),              # the recompute pair, U2 x R2
         _case("kept_ag", window=(7, 0), sink=True, docs=True),
-        # long enough for the row strips of a narrow band (cp_ext.attention.masks._band_block)
+        # long enough for the row strips of a narrow band (cp_ext.attention.masks.tiles._band_block)
         _case("ring2", window=(40, 0), sink=True, h=2, hk=1, d=16, s=1024),
         _case("all_gather", window=(100, 0), h=2, d=16, s=1024),
         _case("ulysses4", window=(30, 0), d=16, s=512),
@@ -89,7 +89,7 @@ def _variant(case, groups, rank):
     import torch.distributed as dist
 
     from cp_ext.attention import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     via, s, kw = case["via"], case["s"], dict(causal=case["causal"], window_size=case["window"])
     if via.startswith("ring"):
@@ -121,7 +121,7 @@ def _variant(case, groups, rank):
 
 def _kept(q, k, v, offset, ids, case, ug, rg, positions):
     """CP-aware recompute's pair: the forward kept (no autograd), the backward replayed from it."""
-    from cp_ext.attention.dispatch import cp_attention_forward
+    from cp_ext.attention.cp.context_parallel import cp_attention_forward
     from cp_ext.transformer.recompute import ReplayAttention
 
     kwargs = dict(causal=case["causal"], softmax_scale=q.shape[-1] ** -0.5, ulysses_group=ug, ring_group=rg,
@@ -263,7 +263,7 @@ def _ring_reach(groups):
     import torch
 
     from cp_ext.attention import ring_attention
-    from cp_ext.attention import utils
+    from cp_ext.attention.cp import primitives as utils
 
     posts = []
     real = utils.post_p2p

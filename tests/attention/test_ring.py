@@ -56,7 +56,7 @@ def _run_case(case, groups, recorder):
     import torch.distributed as dist
 
     from cp_ext.attention import ring_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     group = groups[case["ring"]]
     r, size = dist.get_rank(group), dist.get_world_size(group)
@@ -76,7 +76,8 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from cp_ext.attention import kernels, ring_attention, utils
+    from cp_ext.attention import kernels, ring_attention
+    from cp_ext.attention.cp import primitives as utils
 
     args = worker_args()
     rank, groups = init_four_ranks()
@@ -167,9 +168,9 @@ def test_bad_sequence_length_is_a_clear_error(results):
 
 
 def test_balance_tool_zigzag_within_5_percent(capsys):
-    """tools/attention_balance.py's table (`cp_ext.attention.balance`) replays `RingSchedule`: every causal
+    """tools/attention_balance.py's table (`cp_ext.bench.attention_balance`) replays `RingSchedule`: every causal
     pair once, zigzag max/mean <= 1.05."""
-    from cp_ext.attention.balance import print_balance
+    from cp_ext.bench.attention_balance import print_balance
 
     assert print_balance(seq_len_per_chunk=6) == 0
     assert "zigzag worst max/mean = 1.0000" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""DSA's sparse attention (`cp_ext.attention.sparse`) under CP against a float64 reference of the same model.
+"""DSA's sparse attention (`cp_ext.attention.dsa.sparse_attention`) under CP against a float64 reference of the same model.
 
 The model is DeepSeek-V3.2's attention at toy size: MLA (a latent c of rank R, a shared RoPE key k_pe,
 W_up = linear_kv_up_proj.weight) whose queries attend only to the top-k keys of the lightning indexer
@@ -84,8 +84,8 @@ def cp_path(attn, indexer, topk, positions, *, group=None, mode="ring", layout="
     import torch
     import torch.distributed as dist
 
-    from cp_ext.attention.dsa_indexer import indexer_topk
-    from cp_ext.attention.sparse import absorb_query, sparse_attention, up_project_output
+    from cp_ext.attention.dsa.indexer import indexer_topk
+    from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
 
     q_nope, q_pe, c, k_pe = [t.index_select(0, positions).requires_grad_() for t in attn[:4]]
     w_up = attn[4].clone().requires_grad_()
@@ -123,7 +123,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
     from tests.attention.reference import init_four_ranks
 
     args = worker_args()
@@ -179,8 +179,8 @@ def test_topk_at_least_s_is_dense_mla():
     ring's kernels, `LatentKV`) within fp32 rounding."""
     import torch
 
-    from cp_ext.attention.dispatch import local_attention
-    from cp_ext.attention.sparse import absorb_query, sparse_attention, up_project_output
+    from cp_ext.attention.cp.context_parallel import local_attention
+    from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
 
     attn, indexer, order = model_inputs()
     q_nope, q_pe, c, k_pe, w_up = attn[:5]
@@ -200,7 +200,7 @@ def test_broken_backward_or_merge_fails_the_check(monkeypatch):
     selected key of each query, is far outside them."""
     import torch
 
-    import cp_ext.attention.sparse as sparse
+    import cp_ext.attention.dsa.sparse_attention as sparse
 
     attn, indexer, order = model_inputs()
     truth, everything = reference(attn, order, 20, torch.float64), torch.arange(S)
@@ -212,7 +212,7 @@ def test_broken_backward_or_merge_fails_the_check(monkeypatch):
         dkeys[..., :RANK] = 0
         return dq, dkeys
 
-    from cp_ext.attention.key_blocks import KeyBlock
+    from cp_ext.attention.dsa.key_block_ring import KeyBlock
 
     original_columns = KeyBlock.selected_columns
 
@@ -233,7 +233,7 @@ def test_tiles_gather_only_selected_keys():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cp_ext.attention.sparse import sparse_attention
+    from cp_ext.attention.dsa.sparse_attention import sparse_attention
     from cp_ext.perf.counter import count_work
 
     attn, indexer, order = model_inputs()
@@ -260,7 +260,7 @@ def test_tiles_gather_only_selected_keys():
 def test_bad_arguments_are_clear_errors():
     import torch
 
-    from cp_ext.attention.sparse import sparse_attention
+    from cp_ext.attention.dsa.sparse_attention import sparse_attention
 
     q, kv, chosen = torch.zeros(8, 1, 2, 6), torch.zeros(8, 1, 6), torch.zeros(1, 8, 2, dtype=torch.int64)
     for kw, words in [(dict(mode="dense"), "mode"), (dict(layout="spiral"), "layout"), (dict(v_head_dim=7), "v_head_dim"),

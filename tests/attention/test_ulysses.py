@@ -80,7 +80,7 @@ def main():
     import torch.distributed as dist
 
     from cp_ext.attention import ulysses_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     args = worker_args()
     rank, groups = init_four_ranks()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cp_ext.data.documents import document_ids
-from cp_ext.layout import context_parallel_positions
+from cp_ext.token_partition import context_parallel_positions
 from tests.launch import run_code
 
 EOD = 9

@@ -136,7 +136,7 @@ def worker():
     from cp_ext.arguments import parse_args
     from cp_ext.data.datasets import build_train_dataset
     from cp_ext.data.embedded import embedded_prefix
-    from cp_ext.layout import context_parallel_unshard
+    from cp_ext.token_partition import context_parallel_unshard
     from cp_ext.platform import setup_platform
     from cp_ext.training.batches import microbatches
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cp_ext.data.passkey import DIGITS, KEY, QUERY, PasskeyDataset
-from cp_ext.layout import context_parallel_positions
+from cp_ext.token_partition import context_parallel_positions
 
 
 @pytest.mark.quick

@@ -9,7 +9,7 @@ row per check (tools/gpu_check.py). They are pytest tests under the ``gpu`` mark
 `pytest tests` leaves them out (tests/gpu/conftest.py): tests/tools/test_gpu_check.py runs their CPU
 mode through the tool, with deliberately broken rings that must fail.
 
-* test_one_device.py: the library's ring (`cp_ext.attention.ring`) on C = 4 ranks of one device
+* test_one_device.py: the library's ring (`cp_ext.attention.cp.ring`) on C = 4 ranks of one device
   with every kernel that runs there x fp64/fp32/bf16/fp16 x causal/full x MHA/GQA, packed documents
   through every kernel's segments and through the ring (`ring_harness.py`);
 * test_masks.py: windows, sinks and MLA's head dims through every kernel;

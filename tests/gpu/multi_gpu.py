@@ -133,7 +133,7 @@ def main():
     import torch.distributed as dist
 
     from cp_ext.attention import hybrid_attention, ring_attention, ulysses_attention
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
     from tests.attention.reference import measure
 
     parser = argparse.ArgumentParser()

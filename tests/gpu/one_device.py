@@ -14,9 +14,9 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from cp_ext.attention.documents import diagonal_segments, document_runs, tile_segments
+from cp_ext.attention.masks.documents import diagonal_segments, document_runs, tile_segments
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.attention.utils import accum_dtype
+from cp_ext.attention.cp.primitives import accum_dtype
 from tests.gpu.rows import judge
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

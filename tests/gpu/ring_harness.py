@@ -3,7 +3,7 @@
 Each ring rank is a process on the same device, talking over gloo (NCCL refuses two ranks on one
 GPU). Every rank draws the same seeded full tensors (`tests.gpu.one_device.inputs`), keeps its
 zigzag shard as ring_attention hands it to the ring ([b, h, s/C, d] views of [s/C, b, h, d]
-tensors) and calls `cp_ext.attention.ring.ring_attn_forward` / ``ring_attn_backward`` with the
+tensors) and calls `cp_ext.attention.cp.ring.ring_attn_forward` / ``ring_attn_backward`` with the
 kernel under test: the library's schedule (`RingSchedule`: s = 200 is 8 chunks of 25, so every
 step after the first is a half tile of 25 rows), its merges, its fp32 accumulators and its dK/dV
 hops, nothing copied. Only the transport is adapted: gloo's send/recv read and write a tensor's
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.attention.ring import ring_attn_backward, ring_attn_forward
-from cp_ext.attention.utils import accum_dtype
-from cp_ext.layout import DocumentZigzag, zigzag_positions
+from cp_ext.attention.cp.ring import ring_attn_backward, ring_attn_forward
+from cp_ext.attention.cp.primitives import accum_dtype
+from cp_ext.token_partition import DocumentZigzag, zigzag_positions
 from tests.gpu.one_device import (DTYPES, SIM, document_attention, document_ids, inputs, max_err,
                                   reference_errors, single_device)
 from tests.gpu.rows import FAIL, judge, row
@@ -48,7 +48,7 @@ TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
 # Dynamic CP's layout: documents of these lengths (multiples of 2 x C, summing to s), each zigzagged over the ring
-# on its own (`cp_ext.layout.DocumentZigzag`), with their ids
+# on its own (`cp_ext.token_partition.DocumentZigzag`), with their ids
 PER_DOCUMENT = (48, 104, 8, 40)
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek sparse attention's kernels on the check's device (`cp_ext.attention.sparse`, `dsa_loss`), fp32.
+"""DeepSeek sparse attention's kernels on the check's device (`cp_ext.attention.dsa.sparse_attention`, `dsa_loss`), fp32.
 
 * ``dsa sparse attention k20``: the indexer's top-20 (`indexer_topk`, tiled) and the sparse MQA attention over
   the latent, out and the gradients of q_nope, q_pe, c, k_pe, W_up, on the device, against float64 dense

@@ -12,7 +12,7 @@ explicit attention in the dtype on the device. Variants:
   v dim, or v zero-padded to 192);
 * ``MLA latent r64 + sink``: the same dims through the latent exchange's machinery
   (``--cp-mla-exchange latent``: k is the latent [c | k_pe] (64 + 64), v None, ``up_weight`` the
-  up-projection, `cp_ext.attention.kv_message.LatentKV`) against explicit attention over the
+  up-projection, `cp_ext.attention.cp.kv_message.LatentKV`) against explicit attention over the
   up-projected K/V; the gradients are dq, the latent's and the weight's, and "ref" is also the
   same kernel on the up-projected K/V (``--cp-mla-exchange kv``), whichever rounds more.
 """

@@ -10,7 +10,7 @@
   edges, q documents of one row each) against float64 per-document truth.
 * ``docs sim-ring ...``: the ring with ``document_ids`` (causal / full, GQA 8/2); rows without keys
   must give out 0 and LSE -inf.
-* ``dynamic-cp sim-ring ...``: dynamic CP's layout (`cp_ext.layout.DocumentZigzag`: documents of
+* ``dynamic-cp sim-ring ...``: dynamic CP's layout (`cp_ext.token_partition.DocumentZigzag`: documents of
   `PER_DOCUMENT` tokens, each zigzagged over the 4 ranks on its own, as a dynamic group runs them),
   causal, GQA 8/2, every kernel x dtype.
 

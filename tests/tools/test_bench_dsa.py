@@ -1,6 +1,6 @@
 """tools/bench_dsa.py on 2 gloo ranks at toy size (1024 tokens, top-32, small heads and indexer tiles), one
 launch: DSA and both dense baselines are timed; every timed call's ring bytes equal the formulas of
-`cp_ext.attention.bench_dsa` (and the numbers worked out by hand here); DSA computes sum min(k, t + 1) query-key
+`cp_ext.bench.dsa` (and the numbers worked out by hand here); DSA computes sum min(k, t + 1) query-key
 pairs against dense's causal s (s + 1) / 2; the indexer's top-k allocates far less than the dense
 [s, b, H, s] scores megatron-core 0.16.1 builds; and DSA with every causal key selected (--check) gives
 dense's gradients, so both sides run the same problem."""

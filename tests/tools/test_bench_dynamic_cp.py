@@ -1,4 +1,4 @@
-"""tools/bench_dynamic_cp.py and its counts (`cp_ext.perf.dynamic_cp`): every plan counts the same causal pairs
+"""tools/bench_dynamic_cp.py and its counts (`cp_ext.bench.dynamic_cp`): every plan counts the same causal pairs
 (the documents' L (L + 1) / 2), a per-document zigzag splits a document's pairs evenly, static CP's packed
 zigzag does not, the modelled step follows its formula on a hand-worked case, and the tool prints the three
 plans of the same documents."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cp_ext.data.dynamic_schedule import Group, Microbatch, Schedule
-from cp_ext.perf.dynamic_cp import (
+from cp_ext.bench.dynamic_cp import (
     BenchModel, Counts, Hardware, compare, dynamic_counts, lognormal_lengths, pack_sequences, static_counts,
     dynamic_segments, schedules, static_segments, suggest_max_seqlen_per_rank, timed_attention_step, zigzag_pairs,
 )
@@ -87,7 +87,7 @@ def test_the_suggested_budget_is_the_candidate_with_the_least_modelled_step():
 
 
 def test_the_planner_suggests_a_budget(capsys):
-    from cp_ext.cli.plan import main
+    from cp_ext.cli.plan_parallelism import main
 
     assert main(["--model", "llama2-7b", "--seq-length", "32768", "--global-batch", "16", "--gpus-per-node", "8",
                  "--document-lengths", "4096,1.5,256,32768"]) == 0

@@ -1,7 +1,7 @@
 """tools/compare_loss_curves.py on runs written here: metrics.jsonl files and a real offline wandb run.
 
 The CLI is run as a subprocess (exit status is its contract: 0 agree, 1 differ, 2 bad input);
-pure helpers are imported from cp_ext.training.loss_curves. The real CP=2 vs CP=1 training pair is in
+pure helpers are imported from cp_ext.compare.curves. The real CP=2 vs CP=1 training pair is in
 tests/scripts/test_compare_cp.py; the 60-iteration demo pairs that --band is checked on are stored in
 tests/tools/data/cpu_demo/.
 """
@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from cp_ext.training import loss_curves as clc
+from cp_ext.compare import curves as clc
 from tests.launch import REPO_ROOT
 
 TOOL = REPO_ROOT / "tools" / "compare_loss_curves.py"

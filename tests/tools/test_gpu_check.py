@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from cp_ext.attention.masks import Band, Block
+from cp_ext.attention.masks.tiles import Band, Block
 from tests.gpu import multi_gpu, runs
 from tests.gpu.one_device import DOC_TILES as DOC_TILE_SPECS, doc_kernel_row, document_attention, document_ids, max_err
 from tests.gpu.ring_harness import ring_case, ring_row, run_ring_cases
@@ -74,21 +74,21 @@ def _broken_merge(out, lse, block_out, block_lse, seq_slice=slice(None)):
 
 @contextlib.contextmanager
 def broken_merge(kernel, report):
-    with mock.patch("cp_ext.attention.ring.update_out_and_lse", _broken_merge):
+    with mock.patch("cp_ext.attention.cp.ring.update_out_and_lse", _broken_merge):
         yield kernel
 
 
 @contextlib.contextmanager
 def mirrored_half_tiles(kernel, report):
     """A plan that computes the wrong half of the rows (zigzag's half tiles mirrored)."""
-    from cp_ext.attention.masks import plan_tile
+    from cp_ext.attention.masks.tiles import plan_tile
 
     def mirrored(q_runs, k_runs, window, *, same_tokens, **kw):
         blocks = plan_tile(q_runs, k_runs, window, same_tokens=same_tokens, **kw)
         n = q_runs[-1][1]
         return blocks if same_tokens else [dataclasses.replace(b, q0=n - b.q1, q1=n - b.q0) for b in blocks]
 
-    with mock.patch("cp_ext.attention.ring.plan_tile", mirrored):
+    with mock.patch("cp_ext.attention.cp.ring.plan_tile", mirrored):
         yield kernel
 
 
@@ -171,7 +171,7 @@ def test_wrong_document_kernel_fails(broken, monkeypatch, how, wrong):
 def test_document_ids_and_truth():
     """The ids hold single-token documents, padding and a document spanning the sequence; the
     per-document truth is attention under the dense block-diagonal (causal) mask, padding rows 0."""
-    from cp_ext.attention.documents import document_runs
+    from cp_ext.attention.masks.documents import document_runs
 
     ids = document_ids()
     lengths = [n for _, a, e in document_runs(ids)[0] for n in [e - a]]

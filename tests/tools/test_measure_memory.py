@@ -9,7 +9,7 @@ The CP=1 / CP=2 pair runs through the tool's command line, given a training run'
 one message and exit 2, found by the tool before any launch or by a rank under torchrun.
 
 The tests of the command line run the tool as a user does (torchrun and all); the measurements
-behind it (`cp_ext.training.memory_measure`) fork their ranks (`tests.launch.fork_workers` in
+behind it (`cp_ext.bench.memory_measure`) fork their ranks (`tests.launch.fork_workers` in
 place of torchrun, each measurement a fresh process as under torchrun).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cp_ext.perf.memory import ModelShape, activation_bytes, all_gather_transient_bytes
-from cp_ext.training import memory_measure
+from cp_ext.bench import memory_measure
 from tests.launch import fork_workers, run_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ qk-norm, kv_channels, biases, sinks, windows, quick-GeGLU), in fp32 at CP1, CP2 
 CP-aware full recompute, and in bf16 (as the scripts train: norms and logits stay fp32) at CP2.
 
 One 2-rank launch measures all twenty runs (CP1 runs as DP2 on the same two ranks): the tool's own
-`measure` (`cp_ext.training.memory_measure`) per run, the process group kept between trainers. The
+`measure` (`cp_ext.bench.memory_measure`) per run, the process group kept between trainers. The
 scripts' recompute flags (--recompute-activations, --moe-layer-recompute) are dropped: the planner
 models full recompute only.
 """
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from cp_ext.training import memory_measure
+from cp_ext.bench import memory_measure
 from tests.families import FAMILIES, tiny
 from tests.launch import launch, worker_args, write_results
 

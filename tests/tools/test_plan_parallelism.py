@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from cp_ext.cli import plan as plan_cli
+from cp_ext.cli import plan_parallelism as plan_cli
 from cp_ext.perf import comm
-from cp_ext.perf import plan as planner
+from cp_ext.perf import parallelism_planner as planner
 from cp_ext.perf.memory import (
     GiB, PRESETS, Grid, ModelShape, activation_bytes, all_gather_transient_bytes, bytes_per_param, kv_state_bytes,
     params_per_layer, rank_memory, total_params, weight_bytes,
@@ -267,7 +267,7 @@ def test_grid_from_args_is_the_grid_a_checkpoint_records():
     """One grid description: parsed flags -> the planner's Grid; the checkpoint metadata records the same sizes."""
     from cp_ext.arguments import parse_args
     from cp_ext.perf.memory import GRID_FLAGS, Grid
-    from cp_ext.checkpoint.layout import GRID_FLAGS as CHECKPOINT_GRID
+    from cp_ext.checkpoint.disk_format import GRID_FLAGS as CHECKPOINT_GRID
 
     args = parse_args(["--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
                        "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "4",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cp_ext.arguments import ConfigError, parse_args
-from cp_ext.checkpoint.layout import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
+from cp_ext.checkpoint.disk_format import META, MODEL_FLAGS, SCHEDULE_FLAGS, TRACKER
 from tests.launch import REPO_ROOT, run_script, start_script
 from tests.scripts.slurm_cluster import free_port
 

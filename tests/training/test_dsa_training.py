@@ -87,7 +87,7 @@ def _min_topk_gap(record):
     and the lower position wins everywhere: they are not gaps."""
     import torch
 
-    from cp_ext.attention import dsa_indexer
+    from cp_ext.attention.dsa import indexer as dsa_indexer
 
     original = dsa_indexer.indexer_topk
 
@@ -142,7 +142,7 @@ def worker():
     import torch
     import torch.distributed as dist
 
-    from cp_ext.attention import dsa_indexer
+    from cp_ext.attention.dsa import indexer as dsa_indexer
 
     opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}

@@ -2,7 +2,7 @@
 
 A corpus of documents of lognormal lengths (2 to 150 tokens, cut at --seq-length 64) trains 2 iterations
 with --dynamic-context-parallel on 4 ranks: each document on a group of 1, 2 or 4 of the DP x CP ranks
-(--max-seqlen-per-dp-cp-rank 16), laid out per document in zigzag (`cp_ext.layout.DocumentZigzag`), with the
+(--max-seqlen-per-dp-cp-rank 16), laid out per document in zigzag (`cp_ext.token_partition.DocumentZigzag`), with the
 MoE aux and z losses on. The reference is one process that runs the same packs of documents, one pack per
 microbatch (the schedule's groups: the aux loss balances experts over a pack, so packing is part of the
 model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
@@ -226,9 +226,9 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(runs):
 
 
 def test_counted_pairs_equal_the_ring_s_work_counter(runs):
-    """`cp_ext.perf.dynamic_cp`'s count (the benchmark's) against what the ring counted computing on every rank:
+    """`cp_ext.bench.dynamic_cp`'s count (the benchmark's) against what the ring counted computing on every rank:
     each layer's forward over the documents of the rank's groups of 2 and 4 (a group of 1 runs locally)."""
-    from cp_ext.perf.dynamic_cp import zigzag_pairs
+    from cp_ext.bench.dynamic_cp import zigzag_pairs
 
     _, results = runs("dp2cp2"), runs("dp2cp2_all ranks")
     for rank, result in enumerate(results):

@@ -443,7 +443,7 @@ def _assert_same(result, reference):
 
 def _grad_slices(model):
     """{unit: (full shape, [index...], [local grad...])} of this rank, after the last backward."""
-    from cp_ext.models.layout import iter_global_slices, parameters_showing_grads
+    from cp_ext.models.parameter_slices import iter_global_slices, parameters_showing_grads
 
     out = {}
     with parameters_showing_grads(model):

@@ -19,7 +19,7 @@ from tests.launch import one_rank_megatron, run_code
 def test_configured_kernel_runs_at_cp1(tmp_path):
     code = one_rank_megatron(tmp_path) + textwrap.dedent("""
         from megatron.core.transformer.enums import AttnMaskType
-        import cp_ext.attention.dispatch as ulysses
+        import cp_ext.attention.cp.context_parallel as ulysses
         from cp_ext.config import ContextParallelTransformerConfig
         from cp_ext.transformer.attention import CoreAttention
         used = []

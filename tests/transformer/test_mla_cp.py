@@ -135,7 +135,7 @@ def main():
         res = {"err": err, "grads": sorted(grads), "ref_grads": sorted(ref[2]), "bytes": sent,
                "latent": module.latent_exchange()}
         if grid == "u2r2":  # megatron's own slicing (get_pos_emb_on_this_cp_rank: zigzag over all C ranks)
-            from cp_ext.layout import context_parallel_positions
+            from cp_ext.token_partition import context_parallel_positions
 
             megatrons = context_parallel_positions(s, ring_rank=mpu.get_context_parallel_rank(),
                                                    ring_size=mpu.get_context_parallel_world_size())

@@ -10,10 +10,10 @@ tensors with one head dim and (unless ``native_gqa``) as many KV heads as query 
 * a v head dim that differs from q/k's (MLA: 192 / 128): kernels without ``limits.distinct_v``
   run on zero-padded heads (v, dout, out padded to q's dim, or q, k to v's), which leaves
   every score and every visible result unchanged, then slice;
-* masks: `cp_ext.attention.masks.Band` -> the native causal flag when it is the causal square,
+* masks: `cp_ext.attention.masks.tiles.Band` -> the native causal flag when it is the causal square,
   else the boolean mask; rows that see no key get out 0 and lse -inf (what the LSE merge
   reads as "nothing here"; the CPU kernel itself returns lse 0 for them);
-* blocks: `forward_blocks` / `backward_blocks` run a tile's `cp_ext.attention.masks.Block` s,
+* blocks: `forward_blocks` / `backward_blocks` run a tile's `cp_ext.attention.masks.tiles.Block` s,
   merging blocks that share rows by LSE; `forward_segments` / `backward_segments` are the
   documents-only form of the same.
 
@@ -29,8 +29,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from cp_ext.attention.masks import Band, Block
-from cp_ext.attention.utils import accum_dtype, update_out_and_lse
+from cp_ext.attention.masks.tiles import Band, Block
+from cp_ext.attention.cp.primitives import accum_dtype, update_out_and_lse
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -148,7 +148,7 @@ class AttnKernel:
         return dq, dk, dv
 
     def forward_segments(self, q, k, v, segments, *, causal: bool, scale: float):
-        """Packed documents (`cp_ext.attention.documents.Segment` s, disjoint rows): `forward_blocks`
+        """Packed documents (`cp_ext.attention.masks.documents.Segment` s, disjoint rows): `forward_blocks`
         with the causal band on each (square) segment when ``causal``; out in q's dtype (the segments'
         rows are disjoint, so nothing was merged in fp32)."""
         out, lse = self.forward_blocks(q, k, v, _segment_blocks(segments, causal), scale=scale)

@@ -13,10 +13,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from cp_ext.attention.documents import Segment
+from cp_ext.attention.masks.documents import Segment
 from cp_ext.attention.kernels.base import AttnKernel, Limits
 from cp_ext.attention.kernels.version import version
-from cp_ext.attention.utils import accum_dtype
+from cp_ext.attention.cp.primitives import accum_dtype
 
 
 def _call_by_name(fn, values):

@@ -2,27 +2,27 @@
 
     q, k, v [s, b, h, d] shards --(Ulysses all-to-all: this rank's heads, the ring shard)-->
     [b, h/U, U*s, d] --(core: one local call, the ring, or all-gather)--> (out, lse)
-    --(finish: the sink, `cp_ext.attention.utils.add_sink`)--> --(all-to-all back)--> out
+    --(finish: the sink, `cp_ext.attention.cp.primitives.add_sink`)--> --(all-to-all back)--> out
 
-`_Plan` is made once per call from the groups and the mask (causal, ``window_size``,
-``document_ids``; `cp_ext.attention.masks`): the kernel, and the core's tiles (the local call's
+`_CallContext` is made once per call from the groups and the mask (causal, ``window_size``,
+``document_ids``; `cp_ext.attention.masks.tiles`): the kernel, and the core's tiles (the local call's
 blocks, the ring's `RingSchedule`, or the `AllGatherPlan`). `cp_attention_forward` /
 `cp_attention_backward` run it with no autograd; `CPAttnFunc` is their autograd Function (it
 keeps the head-layout tensors for its backward, so the backward exchanges only dout and the
 gradients), and CP-aware recompute (`cp_ext.transformer.recompute`) keeps the forward's out and
 LSE and calls the same backward later. The public functions differ only in the groups they pass:
 
-    ring_attention        U = 1, the ring group          (cp_ext.attention.ring)
-    ulysses_attention     R = 1, the Ulysses group        (cp_ext.attention.ulysses)
+    ring_attention        U = 1, the ring group          (cp_ext.attention.cp.ring)
+    ulysses_attention     R = 1, the Ulysses group        (cp_ext.attention.cp.ulysses)
     hybrid_attention      U x R, any sizes
-    all_gather_attention  K/V all-gathered over a group   (cp_ext.attention.all_gather)
+    all_gather_attention  K/V all-gathered over a group   (cp_ext.attention.cp.all_gather)
     context_parallel_attention  the model's: the groups of cp_ext.parallel_state, or all_gather
 
 All take ``window_size=None`` ((left, right), -1 unbounded; causal is right = 0),
 ``softmax_offset=None`` (``[h]`` sink logits, one per local head; its gradient is this rank's
 share, from its queries: the DP x CP reduction sums the shares), ``document_ids=None``, and a v
 whose head dim may differ from q/k's (MLA). The ring and all-gather (and the local call) also take
-``up_weight``: MLA's latent exchange, k the latent and v None (`cp_ext.attention.kv_message`).
+``up_weight``: MLA's latent exchange, k the latent and v None (`cp_ext.attention.cp.kv_message`).
 """
 
 from typing import Optional
@@ -30,15 +30,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.all_gather import AllGatherPlan, all_gather_attn_backward, all_gather_attn_forward
-from cp_ext.attention.documents import check_document_ids, document_runs, gather_document_ids
+from cp_ext.attention.cp.all_gather import AllGatherPlan, all_gather_attn_backward, all_gather_attn_forward
+from cp_ext.attention.masks.documents import check_document_ids, document_runs, gather_document_ids
 from cp_ext.attention.kernels import get_kernel
-from cp_ext.attention.kv_message import LatentKV, PairedKV
-from cp_ext.attention.masks import make_window, plan_tile
-from cp_ext.attention.ring import RingSchedule, ring_attn_backward, ring_attn_forward
-from cp_ext.attention.ulysses import heads_to_seq, kv_replicas, seq_to_heads
-from cp_ext.attention.utils import accum_dtype, add_sink, sink_grad
-from cp_ext.layout import check_layout
+from cp_ext.attention.cp.kv_message import LatentKV, PairedKV
+from cp_ext.attention.masks.tiles import make_window, plan_tile
+from cp_ext.attention.cp.ring import RingSchedule, ring_attn_backward, ring_attn_forward
+from cp_ext.attention.cp.ulysses import heads_to_seq, kv_replicas, seq_to_heads
+from cp_ext.attention.cp.primitives import accum_dtype, add_sink, sink_grad
+from cp_ext.token_partition import check_layout
 
 
 def _check_inputs(q, k, v, softmax_offset, up_weight=None):
@@ -66,7 +66,7 @@ def _check_offset(q, softmax_offset):
                          f"head of q), got {got}")
 
 
-class _Plan:
+class _CallContext:
     """What forward and backward share: the groups, the kernel, KV replicas, the core's tiles."""
 
     def __init__(self, q, k, v, *, causal, softmax_scale, ulysses_group, ring_group, layout, kernel,
@@ -75,7 +75,7 @@ class _Plan:
         make_window(window_size, causal)  # a malformed window fails here, before any exchange
         self.causal, self.layout, self.window_size = causal, layout, window_size
         self.scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-        # What the core moves (cp_ext.attention.kv_message): K/V, or MLA's latent with its up-projection.
+        # What the core moves (cp_ext.attention.cp.kv_message): K/V, or MLA's latent with its up-projection.
         if up_weight is None:
             self.message = PairedKV(q.shape[-1], v.shape[-1])
         else:
@@ -191,7 +191,7 @@ def cp_attention_forward(q, k, v, *, causal, softmax_scale, ulysses_group, ring_
     """
     _check_inputs(q, k, v, softmax_offset, up_weight)
     with torch.no_grad():
-        plan = _Plan(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
+        plan = _CallContext(q, k, v, causal=causal, softmax_scale=softmax_scale, ulysses_group=ulysses_group,
                      ring_group=ring_group, layout=layout, kernel=kernel, document_ids=document_ids,
                      comm_type=comm_type, window_size=window_size, all_gather_group=all_gather_group,
                      positions=positions, up_weight=up_weight)
@@ -219,7 +219,7 @@ class CPAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_offset, up_weight, args):
         _check_inputs(q, k, v, softmax_offset, up_weight)
-        plan = _Plan(q, k, v, up_weight=up_weight, **args)
+        plan = _CallContext(q, k, v, up_weight=up_weight, **args)
         qh, (kh, vh) = plan.to_heads(q), plan.kv_to_heads(k, v)
         outh, lse = plan.core_forward(qh, kh, vh, plan.my_offset(softmax_offset))
         ctx.save_for_backward(qh, kh, vh, outh, lse, softmax_offset, up_weight)
@@ -248,7 +248,7 @@ def _dtype(t):
 def hybrid_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, ulysses_group=None,
                      ring_group=None, layout: str = "zigzag", kernel: Optional[str] = None, document_ids=None,
                      window_size=None, softmax_offset=None, up_weight=None) -> torch.Tensor:
-    """Exact attention over a sequence sharded over Ulysses x ring groups (`cp_ext.attention.dispatch`'s
+    """Exact attention over a sequence sharded over Ulysses x ring groups (`cp_ext.attention.cp.context_parallel`'s
     layout: the ring shards the sequence, each ring shard is cut into U consecutive pieces).
 
     q: local shard ``[s, b, h, d]`` (h divisible by U); k ``[s, b, hk, d]``, v ``[s, b, hk, d_v]``
@@ -259,7 +259,7 @@ def hybrid_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = 
     MLA's latent exchange (ring and all-gather, U = 1): ``up_weight`` is ``linear_kv_up_proj.weight``
     ``[h (d_nope + d_v), kv_lora_rank]``, k the latent ``[s, b, kv_lora_rank + qk_pos_emb_head_dim]``
     (normalised c, then the roped shared key) and v None; the latent travels, each block is
-    up-projected where it is used (`cp_ext.attention.kv_message.LatentKV`), and ``up_weight`` gets
+    up-projected where it is used (`cp_ext.attention.cp.kv_message.LatentKV`), and ``up_weight`` gets
     this rank's share of its gradient.
     """
     if ulysses_group is None or ring_group is None:
@@ -276,7 +276,7 @@ def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
                    kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None,
                    up_weight=None):
     """Ring attention over ``group`` (None: `cp_ext.parallel_state.get_ring_group()`), zigzag or
-    contiguous shards (`cp_ext.attention.ring`); arguments as `hybrid_attention`."""
+    contiguous shards (`cp_ext.attention.cp.ring`); arguments as `hybrid_attention`."""
     if group is None:
         from cp_ext import parallel_state
 
@@ -289,7 +289,7 @@ def ring_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
 def ulysses_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float] = None, group=None,
                       kernel: Optional[str] = None, document_ids=None, window_size=None, softmax_offset=None):
     """Ulysses attention over ``group`` (None: `cp_ext.parallel_state.get_ulysses_group()`): rank u
-    holds tokens ``[u*s, (u+1)*s)`` (`cp_ext.attention.ulysses`); arguments as `hybrid_attention`."""
+    holds tokens ``[u*s, (u+1)*s)`` (`cp_ext.attention.cp.ulysses`); arguments as `hybrid_attention`."""
     if group is None:
         from cp_ext import parallel_state
 
@@ -303,7 +303,7 @@ def all_gather_attention(q, k, v, *, causal: bool, softmax_scale: Optional[float
                          layout: str = "zigzag", positions=None, kernel: Optional[str] = None, document_ids=None,
                          window_size=None, softmax_offset=None, up_weight=None):
     """K/V all-gathered over ``group`` (None: megatron's CP group), this rank holding ``positions``
-    (default: ``layout`` over ``group``) (`cp_ext.attention.all_gather`); arguments as `hybrid_attention`."""
+    (default: ``layout`` over ``group``) (`cp_ext.attention.cp.all_gather`); arguments as `hybrid_attention`."""
     if group is None:
         from megatron.core import parallel_state as mpu
 
@@ -345,7 +345,7 @@ def _rank(group):
 def _all_gather_layout(q, layout, group, positions):
     """The all-gather group and this rank's global positions: those `all_gather_attention` was given
     (``group``; ``positions``, default ``layout`` over it), else the run's CP group and layout."""
-    from cp_ext.layout import context_parallel_positions
+    from cp_ext.token_partition import context_parallel_positions
 
     if group is not None:
         if positions is None:

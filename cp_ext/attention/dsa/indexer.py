@@ -42,10 +42,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.documents import gather_parts
-from cp_ext.attention.ring import ring_positions
-from cp_ext.attention.utils import RingComm, accum_dtype
-from cp_ext.layout import check_layout
+from cp_ext.attention.masks.documents import gather_parts
+from cp_ext.attention.cp.ring import ring_positions
+from cp_ext.attention.cp.primitives import RingComm, accum_dtype
+from cp_ext.token_partition import check_layout
 
 MODES = ("ring", "all_gather")
 # One tile's [b, query_tile, H, key_tile] fp32 scores: 256 MiB at b = 1, H = 64.
@@ -147,7 +147,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, *, topk: int
     """The top-``topk`` causal keys of each of this rank's queries, over the whole sequence.
 
     q [s_local, b, H, D], w [s_local, b, H], k [s_local, b, D]: this CP rank's shards (sequence
-    first); ``q_positions`` [s_local]: their global positions (`cp_ext.layout.context_parallel_positions`;
+    first); ``q_positions`` [s_local]: their global positions (`cp_ext.token_partition.context_parallel_positions`;
     under ``mode="ring"`` they must be this ring rank's `ring_positions` for ``layout``). ``group``: the CP
     group the sequence is sharded over (None: one process, the whole sequence). Returns
     (positions, scores), each [b, s_local, min(topk, s)] (module docstring: order, ties, padding).

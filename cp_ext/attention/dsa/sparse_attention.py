@@ -1,5 +1,5 @@
 """DeepSeek-V3.2's sparse attention (DSA) core under context parallelism: each query attends only to
-the keys the lightning indexer selected for it (`cp_ext.attention.dsa_indexer.indexer_topk`), on the
+the keys the lightning indexer selected for it (`cp_ext.attention.dsa.indexer.indexer_topk`), on the
 ring or through one all-gather, with its own backward.
 
 **MQA mode.** DeepSeek-V3.2 runs DSA in MLA's MQA mode (the paper's section 2.1): the up-projection is
@@ -19,7 +19,7 @@ values); the absorption on either side is plain differentiable tensor algebra
 gathered sequence), each query's selected keys that lie in the block are looked up (global position ->
 block row), compacted to the tile's largest count ``m``, and gathered: ``[b, T, m, d_qk]``, scored
 ``[b, h, T, m]`` in fp32, and merged into the running (out, LSE) with the LSE rule
-(`cp_ext.attention.utils.update_out_and_lse`). A tile with no selected key in the block computes
+(`cp_ext.attention.cp.primitives.update_out_and_lse`). A tile with no selected key in the block computes
 nothing. The backward recomputes each tile's probabilities from the final LSE (as the dense ring does),
 and scatter-adds the gathered keys' gradient into the block's gradient, which rides home with the block
 (ring) or is reduce-scattered (all-gather). Every query has at least one selected key (itself), so no
@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.key_blocks import KeyPlan, key_blocks, key_blocks_with_grads, scatter_add
-from cp_ext.attention.utils import accum_dtype, update_out_and_lse
+from cp_ext.attention.dsa.key_block_ring import KeyRingSchedule, key_blocks, key_blocks_with_grads, scatter_add
+from cp_ext.attention.cp.primitives import accum_dtype, update_out_and_lse
 
 DEFAULT_QUERY_TILE = 256  # one tile's gathered keys: [b, 256, m, d_qk]; 1.2 GiB fp32 at k = m = 2048, d_qk = 576
 
@@ -76,7 +76,7 @@ class _Args:
                              f"kv {tuple(kv.shape)}, selected {tuple(selected.shape)}")
         if not 0 < v_head_dim <= q.shape[3]:
             raise ValueError(f"v_head_dim ({v_head_dim}) must be in 1..{q.shape[3]}")
-        self.plan = KeyPlan(s, q.device, group=group, layout=layout, mode=mode, positions=positions,
+        self.plan = KeyRingSchedule(s, q.device, group=group, layout=layout, mode=mode, positions=positions,
                             query_tile=query_tile)
         self.scale, self.d_v, self.selected = softmax_scale, v_head_dim, selected.to(torch.int64)
 

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.dispatch import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
+from cp_ext.attention.cp.context_parallel import all_gather_attention, hybrid_attention, ring_attention, ulysses_attention
 from cp_ext.perf import comm as comm_formula
 from cp_ext.perf.counter import count_comm, count_work
 
@@ -37,7 +37,7 @@ def build_groups(world, u):
 
 def attention_call(name, *, causal, scale, group, layout, ulysses_group=None, ring_group=None, **options):
     """Variant ``name`` (of `VARIANTS`, not ``ideal``) as ``f(q, k, v) -> out``; ``compute`` is the ring's
-    call (run it inside `cp_ext.attention.utils.communication_removed`). ``options``: document_ids, window_size, softmax_offset (ring, all_gather)."""
+    call (run it inside `cp_ext.attention.cp.primitives.communication_removed`). ``options``: document_ids, window_size, softmax_offset (ring, all_gather)."""
     if name in ("ring", "compute"):
         return lambda q, k, v: ring_attention(q, k, v, causal=causal, softmax_scale=scale, group=group,
                                               layout=layout, **options)

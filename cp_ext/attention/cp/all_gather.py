@@ -16,7 +16,7 @@ when those keys come first, and itself as a causal square::
     -> 4 c^2 query-key pairs on each rank
 
 so the zigzag layout balances the causal work as it does for the ring. Packed documents
-(``document_ids``) turn each tile into its segments (`cp_ext.attention.documents`): a query
+(``document_ids``) turn each tile into its segments (`cp_ext.attention.masks.documents`): a query
 run only meets the keys of its own documents. Works with any CP layout: the positions each
 rank holds are all-gathered with K/V, so the same function serves a ring layout and a
 Ulysses x ring one (``--cp-comm-type`` lists mixing ``all_gather`` with another type).
@@ -32,11 +32,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.documents import Runs, clip_runs, document_runs, gather_parts
+from cp_ext.attention.masks.documents import Runs, clip_runs, document_runs, gather_parts
 from cp_ext.attention.kernels import AttnKernel
-from cp_ext.attention.kv_message import PairedKV
-from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
-from cp_ext.attention.utils import accum_dtype, add_sink, update_out_and_lse
+from cp_ext.attention.cp.kv_message import PairedKV
+from cp_ext.attention.masks.tiles import make_window, plan_tile, position_runs, tile_span
+from cp_ext.attention.cp.primitives import accum_dtype, add_sink, update_out_and_lse
 from cp_ext.perf.counter import COMM_COUNTER, WORK_COUNTER
 from cp_ext.perf.saved_tensors import ALL_GATHER_CALLS
 
@@ -47,7 +47,7 @@ class AllGatherPlan:
     The gathered K/V stays in *rank order* (what the all-gather gives: rank i's shard at rows
     ``[i*s, (i+1)*s)``), so nothing is copied into sequence order. Each rank's shard is a few
     runs of consecutive positions (2 zigzag chunks, or one block); a tile pairs one query run
-    with one key run, planned from the mask (`cp_ext.attention.masks.plan_tile`): full when the
+    with one key run, planned from the mask (`cp_ext.attention.masks.tiles.plan_tile`): full when the
     keys come first, the causal square when it is the query run itself, nothing when the keys
     come after (causal) or lie outside the window.
     """
@@ -97,7 +97,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 def _gather_kv(k: torch.Tensor, v: Optional[torch.Tensor], group) -> torch.Tensor:
     """Every rank's K/V, rank after rank: ``[C*s, b, hk, d_qk + d_v]`` (sequence first, k and v side
     by side, so the all-gather writes it in place and the kernel views need no copy); with v None,
-    k is MLA's latent ``[b, 1, s, r + p]`` (`cp_ext.attention.kv_message.LatentKV`), gathered alone."""
+    k is MLA's latent ``[b, 1, s, r + p]`` (`cp_ext.attention.cp.kv_message.LatentKV`), gathered alone."""
     size, rank, s = dist.get_world_size(group), dist.get_rank(group), k.shape[2]
     width = k.shape[3] + (0 if v is None else v.shape[3])
     gathered = k.new_empty((size * s,) + k.shape[:2] + (width,))
@@ -120,7 +120,7 @@ def _kernel_view(rows: torch.Tensor) -> torch.Tensor:
 def all_gather_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group, plan: AllGatherPlan,
                             kernel: AttnKernel, softmax_offset=None, message=None, **_):
     """Local queries q [b, h, s, d] against the gathered K/V; returns (out in q.dtype, lse fp32), finished.
-    ``message``: what is gathered (`cp_ext.attention.kv_message`; with `LatentKV`, k is the latent, v None)."""
+    ``message``: what is gathered (`cp_ext.attention.cp.kv_message`; with `LatentKV`, k is the latent, v None)."""
     acc = accum_dtype(q.dtype)
     message = message or PairedKV(q.shape[-1], v.shape[-1])
     out = torch.zeros(q.shape[:3] + (message.d_v,), dtype=acc, device=q.device)

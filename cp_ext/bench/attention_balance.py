@@ -1,10 +1,10 @@
 """Causal attention work per CP rank, zigzag vs contiguous sharding, counted on the ring's own schedule
 (`RingSchedule`, what the forward and backward loops run): the pairs each tile's kernel calls compute
-(`cp_ext.attention.masks.Block.pairs`), so the numbers cannot drift from the code.
+(`cp_ext.attention.masks.tiles.Block.pairs`), so the numbers cannot drift from the code.
 ``tools/attention_balance.py`` prints the table.
 """
 
-from cp_ext.attention.ring import RingSchedule
+from cp_ext.attention.cp.ring import RingSchedule
 
 ZIGZAG_TARGET = 1.05  # the zigzag layout's worst rank may do at most this much more than the mean
 RING_SIZES = (2, 4, 8)

@@ -2,9 +2,9 @@
 MLA causal ring attention on the same shapes, fwd + bwd; the ring bytes of each beside their formulas; the
 query-key pairs each computes; and the memory the indexer's top-k allocates against megatron's dense scores.
 
-**DSA** (`run_dsa`): the indexer's top-k (`cp_ext.attention.dsa_indexer.indexer_topk`: its keys go around the
+**DSA** (`run_dsa`): the indexer's top-k (`cp_ext.attention.dsa.indexer.indexer_topk`: its keys go around the
 ring, ``index_head_dim`` values per token, forward only: the selection is not differentiable), the query
-absorbed into the latent's space, `cp_ext.attention.sparse.sparse_attention` over the selected latents (the
+absorbed into the latent's space, `cp_ext.attention.dsa.sparse_attention.sparse_attention` over the selected latents (the
 latent ``[c | k_pe]`` goes around the ring, ``kv_lora_rank + qk_pos_emb_head_dim`` values per token, and
 again in the backward with its fp32 gradient riding home), the output up-projected. The indexer loss (a
 training-time extra) is not part of it.
@@ -39,10 +39,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cp_ext.attention.dispatch import ring_attention
-from cp_ext.attention.dsa_indexer import indexer_topk
-from cp_ext.attention.ring import ring_positions
-from cp_ext.attention.sparse import absorb_query, sparse_attention, up_project_output
+from cp_ext.attention.cp.context_parallel import ring_attention
+from cp_ext.attention.dsa.indexer import indexer_topk
+from cp_ext.attention.cp.ring import ring_positions
+from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
 from cp_ext.perf.comm import DTYPE_BYTES, acc_bytes, mla_exchange_bytes
 from cp_ext.perf.counter import count_comm, count_work
 

@@ -2,8 +2,8 @@
 
 A *message* is this rank's KV block as it travels, in kernel layout (sequence on dim -2), and
 the rule that turns it into a block's k and v (``unpack``) and a block's dK/dV back into the
-message's gradient (``add_grad``). The ring (`cp_ext.attention.ring`) and the all-gather
-(`cp_ext.attention.all_gather`) move messages and message gradients and never look inside.
+message's gradient (``add_grad``). The ring (`cp_ext.attention.cp.ring`) and the all-gather
+(`cp_ext.attention.cp.all_gather`) move messages and message gradients and never look inside.
 
 `PairedKV` is k and v: stacked ``[2, b, hk, s, d]``, or side by side ``[b, hk, s, d_qk + d_v]``
 when their head dims differ (MLA with ``--cp-mla-exchange kv``).
@@ -32,7 +32,7 @@ per block in the backward, which costs ``2 s r h (d_nope + d_v)`` flops per bloc
 
 import torch
 
-from cp_ext.attention.utils import accum_dtype
+from cp_ext.attention.cp.primitives import accum_dtype
 
 
 class PairedKV:

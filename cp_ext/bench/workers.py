@@ -4,7 +4,7 @@
 
 The worker is ``script --worker --out DIR args``; rank r writes ``DIR/rank{r}.json``. ``script``
 is a tool's path, or the dotted name of a package module, run as ``python -m`` runs it (workers
-that live in cp_ext: ``run_workers("cp_ext.training.memory_measure", ...)``). The
+that live in cp_ext: ``run_workers("cp_ext.bench.memory_measure", ...)``). The
 directory is a fresh temp directory removed before this returns, whatever happens. torchrun
 starts in a session of its own, so a timeout kills torchrun *and* its ranks: no orphan waits
 forever in a collective. Failures raise `WorkerError` with the job's last output; a rank that

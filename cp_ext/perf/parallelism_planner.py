@@ -1,6 +1,6 @@
 """The parallelism planner: every TP x PP x CP x DP layout (EP folded) of a cluster for one model and
 sequence length, each with its per-rank memory and communication, ranked. Pure arithmetic (no torch);
-the command line is `cp_ext.cli.plan` (``tools/plan_parallelism.py``, ``cp-ext-plan``).
+the command line is `cp_ext.cli.plan_parallelism` (``tools/plan_parallelism.py``, ``cp-ext-plan``).
 
 For every TP (within a node, dividing the heads), PP (dividing the layers), CP (seq divisible by 2 CP) with
 DP = GPUs / (TP PP CP) dividing the global batch, `plan` folds EP (the largest EP dividing both the experts

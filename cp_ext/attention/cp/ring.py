@@ -4,9 +4,9 @@ Each rank of a ring group of size C holds a shard of q, k, v. KV blocks travel a
 ring (rank r sends to r+1, receives from r-1), so at step ``t`` rank ``r`` holds the KV of
 ring rank ``src = (r - t) mod C``. The next block is already in flight while the current
 one is computed. Partial outputs are merged with the LSE rule in fp32
-(`cp_ext.attention.utils.update_out_and_lse`).
+(`cp_ext.attention.cp.primitives.update_out_and_lse`).
 
-Zigzag layout (`cp_ext.layout.zigzag_shard`): the sequence is cut into 2C chunks, ring rank
+Zigzag layout (`cp_ext.token_partition.zigzag_shard`): the sequence is cut into 2C chunks, ring rank
 r holds chunks (r, 2C-1-r) as its [first half | second half]. What a step computes
 follows from the chunk order alone::
 
@@ -38,7 +38,7 @@ backward with the *global* out and LSE saved by the forward. All accumulators ar
 fp32 tensors (never ``x.to(float32)`` of a kernel output, which aliases under fp32); the
 cast to the input dtype happens once, at the end.
 
-Packed documents (``document_ids``, `cp_ext.attention.documents`): the ids of every ring
+Packed documents (``document_ids``, `cp_ext.attention.masks.documents`): the ids of every ring
 rank are all-gathered once per call, so every rank knows every tile's segments (`RingSchedule`).
 A step whose q rows share no document with the arriving KV block computes nothing, tiles that
 do compute only their segments, and a KV block travels only as far as its last reader: the
@@ -49,9 +49,9 @@ and goes home from its last reader in one direct message, instead of the rest of
 ``ring_attn_forward`` / ``ring_attn_backward`` work on kernel-layout tensors
 ``[b, h, s, d]`` and any process group, so the Ulysses x ring hybrid calls them on the
 ring sub-group after its all-to-all. The public [s, b, h, d] ``ring_attention`` and the autograd
-Function live in the dispatcher (`cp_ext.attention.dispatch`). A window plans its tiles like
-documents do (`cp_ext.attention.masks`); a sink is added by ``ring_attn_forward``'s finish step;
-what travels is a message (`cp_ext.attention.kv_message`): k and v (side by side when their head
+Function live in the dispatcher (`cp_ext.attention.cp.context_parallel`). A window plans its tiles like
+documents do (`cp_ext.attention.masks.tiles`); a sink is added by ``ring_attn_forward``'s finish step;
+what travels is a message (`cp_ext.attention.cp.kv_message`): k and v (side by side when their head
 dims differ), or MLA's latent, up-projected on each rank that computes with the block.
 """
 
@@ -61,18 +61,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.documents import all_document_runs, check_document_ids
+from cp_ext.attention.masks.documents import all_document_runs, check_document_ids
 from cp_ext.attention.kernels import AttnKernel, get_kernel
-from cp_ext.attention.kv_message import PairedKV
-from cp_ext.attention.masks import make_window, plan_tile, position_runs, tile_span
-from cp_ext.attention.utils import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
-from cp_ext.layout import check_layout, check_seq_len, context_parallel_positions
+from cp_ext.attention.cp.kv_message import PairedKV
+from cp_ext.attention.masks.tiles import make_window, plan_tile, position_runs, tile_span
+from cp_ext.attention.cp.primitives import RingComm, accum_dtype, add_sink, post_p2p, update_out_and_lse
+from cp_ext.token_partition import check_layout, check_seq_len, context_parallel_positions
 from cp_ext.perf.counter import WORK_COUNTER
 
 class RingSchedule:
     """What this rank computes at each ring step, and which KV blocks travel how far.
 
-    Every (rank, step) tile is planned from the mask (`cp_ext.attention.masks.plan_tile`: the
+    Every (rank, step) tile is planned from the mask (`cp_ext.attention.masks.tiles.plan_tile`: the
     ring ranks' positions, the window, and with ``document_ids`` every rank's documents, from one
     all-gather of the ids), so each rank knows every tile: it skips its empty ones, and a block
     travels only as far as a rank still reads it: ``reach[src]`` is the last step at which some
@@ -137,7 +137,7 @@ def _count(blocks):
 
 def _check_local(q, k, v, size, layout):
     check_layout(layout)
-    if v is None:  # k is MLA's latent message [b, 1, s, r + p] (`cp_ext.attention.kv_message.LatentKV`)
+    if v is None:  # k is MLA's latent message [b, 1, s, r + p] (`cp_ext.attention.cp.kv_message.LatentKV`)
         if k.dim() != 4 or k.shape[1] != 1 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
             raise ValueError(f"expected the latent [b, 1, s, r + p] beside q {tuple(q.shape)}, got {tuple(k.shape)}")
         return
@@ -163,9 +163,9 @@ def ring_attn_forward(q, k, v, *, softmax_scale: float, causal: bool, group: Opt
     """Forward over the ring on local shards q [b, h, s, d], k [b, hk, s, d], v [b, hk, s, d_v].
 
     ``document_ids`` [b, s]: this rank's document ids (packed documents), or None; ``window_size``
-    (left, right) as in `cp_ext.attention.masks`; ``softmax_offset`` [h]: the sink logits of these
-    heads, added in the finish step (`cp_ext.attention.utils.add_sink`); ``message``: what travels
-    (`cp_ext.attention.kv_message`; default the K/V pair; with `LatentKV`, k is MLA's latent and v None).
+    (left, right) as in `cp_ext.attention.masks.tiles`; ``softmax_offset`` [h]: the sink logits of these
+    heads, added in the finish step (`cp_ext.attention.cp.primitives.add_sink`); ``message``: what travels
+    (`cp_ext.attention.cp.kv_message`; default the K/V pair; with `LatentKV`, k is MLA's latent and v None).
     Returns (out [b, h, s, d_v] in q.dtype, lse [b, h, s] in fp32 / fp64 for fp64 inputs), finished.
     """
     comm = RingComm(group)
@@ -206,7 +206,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                        document_ids: Optional[torch.Tensor] = None, schedule: Optional[RingSchedule] = None,
                        window_size=None, message=None, **_):
     """Backward over the ring; ``out``/``lse`` are what ``ring_attn_forward`` returned (finished:
-    a sink needs nothing more here; its own gradient is `cp_ext.attention.utils.sink_grad`).
+    a sink needs nothing more here; its own gradient is `cp_ext.attention.cp.primitives.sink_grad`).
 
     Returns (dq, dk, dv) in the dtypes and shapes of (q, k, v); with a `LatentKV` ``message``
     (dq, d latent, None), and the message holds this rank's share of the up-projection's gradient.

@@ -35,14 +35,14 @@ bytes in the communication (`cp_ext.perf.comm.all_gather_bytes`). The default pl
 ``--document-lengths MEDIAN,SIGMA,MIN,MAX`` (a lognormal mix of document lengths) adds dynamic CP's budget
 for the best layout it runs (not PP with TP): the ``--max-seqlen-per-dp-cp-rank`` whose cp_ext schedule has the
 least modelled step over its DP x CP ranks, up to the tokens per rank the layout was sized for
-(`cp_ext.perf.dynamic_cp.suggest_max_seqlen_per_rank`), beside static CP's modelled step on the same documents.
+(`cp_ext.bench.dynamic_cp.suggest_max_seqlen_per_rank`), beside static CP's modelled step on the same documents.
 """
 
 import argparse
 
 from cp_ext.perf.memory import GiB, PRESETS, ModelShape, total_params
 from cp_ext.perf.model_shape import active_params, describe
-from cp_ext.perf.plan import COMM_TYPES, SHAPE_FIELDS, format_grid, kv_arithmetic, plan, shape_from_fields
+from cp_ext.perf.parallelism_planner import COMM_TYPES, SHAPE_FIELDS, format_grid, kv_arithmetic, plan, shape_from_fields
 
 
 def main(argv=None) -> int:
@@ -147,7 +147,7 @@ def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
 
 
 def _suggest_dynamic_cp(p, args, m, valid):
-    from cp_ext.perf.dynamic_cp import Hardware, bench_model_of, compare, lognormal_lengths, suggest_max_seqlen_per_rank
+    from cp_ext.bench.dynamic_cp import Hardware, bench_model_of, compare, lognormal_lengths, suggest_max_seqlen_per_rank
 
     try:
         median, sigma, low, high = (float(x) for x in args.document_lengths.split(","))

@@ -2,7 +2,7 @@
 
 Query at global position i sees key j iff ``i - left <= j <= i + right`` (the window,
 flash-attn's and Megatron's ``window_size=(left, right)``, -1 meaning unbounded; ``causal`` is
-``right = 0``) and both are in the same document (`cp_ext.attention.documents`). A CP variant
+``right = 0``) and both are in the same document (`cp_ext.attention.masks.documents`). A CP variant
 computes *tiles*: some of this rank's q rows against some rows of one KV block. Every rank's
 shard is a few runs of consecutive positions (zigzag: two chunks; contiguous and Ulysses: one),
 so for one q run against one k run the mask is a *band* on the tile's local indices::
@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from cp_ext.attention.documents import Runs, clip_runs, tile_segments
+from cp_ext.attention.masks.documents import Runs, clip_runs, tile_segments
 
 Run = Tuple[int, int, int]  # (first local row, end row, global position of the first row)
 
@@ -251,7 +251,7 @@ def plan_tile(q_runs: Sequence[Run], k_runs: Sequence[Run], window: Optional[Win
 
     ``q_runs`` / ``k_runs``: the `position_runs` of the tile's q and k rows. ``window``: from
     `make_window` (None: full attention). ``same_tokens``: q and k are the same tokens.
-    ``q_docs`` / ``k_docs``: the documents' runs over those rows (`cp_ext.attention.documents`).
+    ``q_docs`` / ``k_docs``: the documents' runs over those rows (`cp_ext.attention.masks.documents`).
     """
     nq, nk = (max((r[1] for r in runs), default=0) for runs in (q_runs, k_runs))
     if window is None:

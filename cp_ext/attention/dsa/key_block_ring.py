@@ -1,9 +1,9 @@
 """How DSA's passes see the whole sequence's keys from one CP rank: blocks with global positions, on the
 ring or all-gathered, and the per-query key sets inside them.
 
-DSA's sparse attention (`cp_ext.attention.sparse`) and its indexer loss (`cp_ext.attention.dsa_loss`) both
+DSA's sparse attention (`cp_ext.attention.dsa.sparse_attention`) and its indexer loss (`cp_ext.attention.dsa.indexer_loss`) both
 walk every key of the sequence for this rank's queries, one block at a time, and both need each key's
-global position: the selection names keys by position, and causality compares positions. A `KeyPlan`
+global position: the selection names keys by position, and causality compares positions. A `KeyRingSchedule`
 holds what they share (group, layout, this rank's positions, the query tiles); `key_blocks` yields the
 blocks (``ring``: CP steps, the next block in flight while this one is used; ``all_gather``: the gathered
 sequence as one block), and `key_blocks_with_grads` does the same with a gradient accumulator per block
@@ -13,6 +13,13 @@ all-gather: one reduce-scatter).
 Within a block, a tile of queries meets a *key set* (`KeyBlock.selected_columns`: its selected keys;
 `KeyBlock.causal_columns`: every key at or before it), given as block rows per query, compacted to the
 tile's largest count, -1 padding, and gathered (`KeyBlock.gather`): ``[b, T, m, width]``.
+
+Why a ring of its own beside the dense one (`cp_ext.attention.cp.ring`): the dense ring hands each step's
+K/V to a kernel as banded tiles (`cp_ext.attention.masks.tiles.Block`), which a per-query selection is
+not; a sparse consumer needs each key's global position to match it against its selection, gathers rows
+instead of multiplying tiles, and sends a block's gradient home with the block. A new attention whose
+mask is a band per tile (windows, documents, sinks) belongs in the dense route; one whose queries choose
+their own keys belongs here. docs/architecture.md says the same for adding a variant.
 """
 
 from typing import Iterator, List, Optional, Tuple
@@ -20,12 +27,13 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.all_gather import reduce_scatter_single
-from cp_ext.attention.documents import gather_parts
-from cp_ext.attention.ring import ring_positions
-from cp_ext.attention.utils import RingComm
-from cp_ext.layout import check_layout
+from cp_ext.attention.cp.all_gather import reduce_scatter_single
+from cp_ext.attention.cp.primitives import RingComm
+from cp_ext.attention.cp.ring import ring_positions
+from cp_ext.attention.masks.documents import gather_parts
+from cp_ext.moved_modules import renamed
 from cp_ext.perf.counter import WORK_COUNTER
+from cp_ext.token_partition import check_layout
 
 MODES = ("ring", "all_gather")
 
@@ -73,7 +81,7 @@ def scatter_add(dmsg: torch.Tensor, cols: torch.Tensor, dkeys: torch.Tensor) -> 
     dmsg.view(b * n, w).index_add_(0, rows.reshape(-1), dkeys.reshape(-1, w))
 
 
-class KeyPlan:
+class KeyRingSchedule:
     """This rank's place in the sequence: ``s`` local tokens of ``group`` (None: the whole sequence)
     at ``positions`` (default: the ring rank's ``layout`` positions), walked in ``mode``, with query
     tiles of ``query_tile`` rows."""
@@ -103,7 +111,7 @@ class KeyPlan:
                             dtype=torch.int64, device=self.positions.device)
 
 
-def key_blocks(plan: KeyPlan, msg: torch.Tensor) -> Iterator[KeyBlock]:
+def key_blocks(plan: KeyRingSchedule, msg: torch.Tensor) -> Iterator[KeyBlock]:
     """Every key of the sequence, block by block, for this rank; ``msg`` [s, b, width] is this rank's."""
     if plan.size == 1:
         yield KeyBlock(msg.transpose(0, 1), plan.positions, plan.seq_len)
@@ -121,7 +129,7 @@ def key_blocks(plan: KeyPlan, msg: torch.Tensor) -> Iterator[KeyBlock]:
                 msg = next_msg
 
 
-def key_blocks_with_grads(plan: KeyPlan, msg: torch.Tensor, dtype: torch.dtype, result: List[torch.Tensor],
+def key_blocks_with_grads(plan: KeyRingSchedule, msg: torch.Tensor, dtype: torch.dtype, result: List[torch.Tensor],
                           grad_width: Optional[int] = None) -> Iterator[Tuple[KeyBlock, torch.Tensor]]:
     """`key_blocks` with each block's gradient accumulator [b, n, grad_width] (zeros, in ``dtype``) to
     add into, for the last ``grad_width`` values of each message (default: all of them; a walk that
@@ -152,7 +160,11 @@ def key_blocks_with_grads(plan: KeyPlan, msg: torch.Tensor, dtype: torch.dtype, 
     result.append(dmsg.transpose(0, 1))
 
 
-def _gathered(plan: KeyPlan, msg: torch.Tensor) -> KeyBlock:
+def _gathered(plan: KeyRingSchedule, msg: torch.Tensor) -> KeyBlock:
     """The whole sequence's messages [b, C*s, width] (rank order) and positions, one all-gather each."""
     positions = torch.cat(gather_parts(plan.positions, plan.group))
     return KeyBlock(torch.cat(gather_parts(msg, plan.group)).transpose(0, 1), positions, plan.seq_len)
+
+
+def __getattr__(name):  # KeyRingSchedule was called KeyPlan
+    return renamed(__name__, name)

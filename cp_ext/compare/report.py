@@ -1,4 +1,4 @@
-"""The report of a loss-curve comparison (`cp_ext.training.loss_curves`): the summary lines, which
+"""The report of a loss-curve comparison (`cp_ext.compare.curves`): the summary lines, which
 metric moved first and what that points at, the PASS/FAIL verdict with its exit status, and the PNG
 plot. No torch; matplotlib is imported only when a plot is asked for.
 """
@@ -7,7 +7,7 @@ import importlib
 import math
 from pathlib import Path
 
-from cp_ext.training.loss_curves import InputError, ranges
+from cp_ext.compare.curves import InputError, ranges
 from cp_ext.training.metric_names import AUX_KEY, LM_KEY  # the names the trainer logs under
 
 EXIT_AGREE, EXIT_DISAGREE, EXIT_BAD_INPUT = 0, 1, 2

@@ -12,7 +12,7 @@ the dense loss; the indexer's selected keys: ``--dsa-indexer-use-sparse-loss``):
 The main model's query and key come in detached: the indexer gets its gradient from this loss only, and
 the main model none from it (megatron's ``query.detach(), key.detach()``).
 
-**Two walks over the keys** (`cp_ext.attention.key_blocks`: ring blocks, or one all-gather; each
+**Two walks over the keys** (`cp_ext.attention.dsa.key_block_ring`: ring blocks, or one all-gather; each
 message is a token's MLA latent key and its indexer key, ``[kv | k_I]``). The first finds every query's
 final softmax normalisers, each head's attention's and the indexer's, as a running (max, sum of exp) per
 row (`_RunningSoftmax`: it rounds like a softmax over the whole row; an LSE, with an error of its own size
@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.key_blocks import KeyPlan, key_blocks, key_blocks_with_grads, scatter_add
-from cp_ext.attention.utils import accum_dtype
+from cp_ext.attention.dsa.key_block_ring import KeyRingSchedule, key_blocks, key_blocks_with_grads, scatter_add
+from cp_ext.attention.cp.primitives import accum_dtype
 
 DEFAULT_QUERY_TILE = 128
 DEFAULT_KEY_TILE = 1024  # one tile's main scores [b, h, 128, 1024] fp32: 64 MiB at b = 1, h = 128
@@ -90,7 +90,7 @@ class _Chunk:
         return att.masked_fill_(off.unsqueeze(1), float("-inf")), per_head, index.masked_fill_(off, float("-inf"))
 
 
-def _chunks(block, plan: KeyPlan, rows: slice, selected: Optional[torch.Tensor], key_tile: int):
+def _chunks(block, plan: KeyRingSchedule, rows: slice, selected: Optional[torch.Tensor], key_tile: int):
     """The tile's support in ``block``, ``key_tile`` keys at a time."""
     b = block.msg.shape[0]
     if selected is not None:
@@ -218,17 +218,17 @@ def indexer_loss(q: torch.Tensor, kv: torch.Tensor, index_q: torch.Tensor, index
                  key_tile: int = DEFAULT_KEY_TILE) -> torch.Tensor:
     """This CP rank's share of the indexer loss (module docstring): a scalar, fp32 (fp64 for fp64 inputs),
     differentiable in the indexer's ``index_q`` [s, b, H, D], ``index_weights`` [s, b, H] (with megatron's
-    scaling already in them, as `cp_ext.attention.dsa_indexer.index_scores` takes them) and ``index_k``
+    scaling already in them, as `cp_ext.attention.dsa.indexer.index_scores` takes them) and ``index_k``
     [s, b, D]; ``q`` [s, b, h, d] and ``kv`` [s, b, d] are the main attention's query and key in MLA's MQA
-    mode (`cp_ext.attention.sparse`), taken detached.
+    mode (`cp_ext.attention.dsa.sparse_attention`), taken detached.
 
     ``selected`` [b, s, k]: the indexer's choice (global positions, -1 padding) for the sparse loss; None
     for the dense loss over every causal key. ``group``, ``layout``, ``mode``, ``positions``: where this
-    rank's tokens are, as for `cp_ext.attention.sparse.sparse_attention`. ``tp_group``: the tensor-parallel
+    rank's tokens are, as for `cp_ext.attention.dsa.sparse_attention.sparse_attention`. ``tp_group``: the tensor-parallel
     group that holds the other heads of ``q`` (None: this rank has them all).
     """
     s = q.shape[0]
-    plan = KeyPlan(s, q.device, group=group, layout=layout, mode=mode, positions=positions, query_tile=query_tile)
+    plan = KeyRingSchedule(s, q.device, group=group, layout=layout, mode=mode, positions=positions, query_tile=query_tile)
     if key_tile < 1:
         raise ValueError(f"key_tile ({key_tile}) must be >= 1")
     if selected is not None:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cp_ext.moved_modules import renamed
 from cp_ext.training.metric_names import LM_KEY  # the names the trainer logs under
 
 DEFAULT_KEY = LM_KEY
@@ -327,7 +328,7 @@ def ema(values, weight):
 
 
 @dataclass
-class Band:
+class ToleranceBand:
     band: float
     weight: float
     start: int                      # first divergence: the band is judged from here on
@@ -354,7 +355,7 @@ def band_check(cmp, band, weight):
     its = cmp.iterations[k0:]
     rel = [rel_diff(x, y) for x, y in zip(ema_a[k0:], ema_b[k0:])]
     outside = [i for i, r in zip(its, rel) if r > band]
-    return Band(band, weight, start, its, rel, ema_a, ema_b, outside)
+    return ToleranceBand(band, weight, start, its, rel, ema_a, ema_b, outside)
 
 
 def ranges(iterations):
@@ -371,3 +372,7 @@ def ranges(iterations):
     if start is not None:
         out.append(f"{start}-{prev}" if prev != start else f"{start}")
     return ", ".join(out) if out else "none"
+
+
+def __getattr__(name):  # ToleranceBand was called Band
+    return renamed(__name__, name)

@@ -4,8 +4,8 @@
     planner_estimate(split[0], trainer_flags, "none")   # cp_ext.perf.memory's bytes for that run
     for row in measure_table(cp, flags, modes, seq_lengths, ...): ...   # one row per measurement
 
-Each measurement launches ranks (`cp_ext.perf.workers.run_workers`) that run this module,
-``python -m cp_ext.training.memory_measure --worker --out DIR FLAGS``: a `Trainer` from the flags,
+Each measurement launches ranks (`cp_ext.bench.workers.run_workers`) that run this module,
+``python -m cp_ext.bench.memory_measure --worker --out DIR FLAGS``: a `Trainer` from the flags,
 one iteration inside `cp_ext.perf.saved_tensors.track_saved_tensors`, and one JSON record per rank
 (`measure`). A rank's `ConfigError` is written for the tool (`write_config_error`), exit 2.
 """
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from cp_ext.perf.workers import run_workers, write_config_error
+from cp_ext.bench.workers import run_workers, write_config_error
 
 # Recompute modes by name: the trainer flags each adds.
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]

@@ -35,7 +35,7 @@ class DocumentZigzag:
     So every rank of the group gets the same share of every document's causal work (the plain zigzag
     over the whole sequence balances one document, not several of different lengths), and along each
     rank's rows the positions still increase, which the document masks rely on
-    (`cp_ext.attention.documents`). Hashable by its lengths: the ring's per-layout plans cache on it.
+    (`cp_ext.attention.masks.documents`). Hashable by its lengths: the ring's per-layout plans cache on it.
     """
 
     lengths: Tuple[int, ...]
