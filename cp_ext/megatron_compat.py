@@ -10,7 +10,7 @@ row   what changed in megatron-core                since    cp_ext              
 1     ``datasets.megatron_tokenizer`` removed;     0.17     tokenizers subclass                    tests/data/test_loader.py
       datasets type against                                 ``tokenizers.MegatronTokenizerBase``,
       ``tokenizers.MegatronTokenizerBase``                  which 0.16.1 has too
-2     ``TorchCommonLoadStrategy`` and              0.17 /   `load_checkpoint`,                     tests/training/test_resume.py;
+2     ``TorchCommonLoadStrategy`` and              0.17 /   `load_checkpoint`,                     tests/checkpoint/test_resume.py;
       ``load(common_strategy=)`` removed; the      0.19     `read_common_state`,                   test_checkpoint_across_versions.py
       common state moves from ``common.pt`` into            `COMMON_STATE_EMBEDDED_ON_SAVE`,       (on 0.16.1: 0.19's form)
       the torch_dist files                                  `READS_EMBEDDED_COMMON_STATE`
@@ -31,7 +31,7 @@ row   what changed in megatron-core                since    cp_ext              
       ``get_moe_layer_wise_logging_tracker()``              `reduced_moe_losses`,                  (a second, deeper model)
       returns a copy                                        `zero_moe_loss_tracker`
 10    "GPTModel IS DEPRECATED" on every start      0.19     `quiet_gpt_model_deprecation`          tests/test_megatron_compat.py (startup)
---    param groups matched on load by their        0.19     the checkpoint's values put back       tests/training/test_checkpoint_safety.py
+--    param groups matched on load by their        0.19     the checkpoint's values put back       tests/checkpoint/test_safety.py
       schedule values too (``max_lr``, ...)                 after the match (checkpoint.           (a resume with a new --lr)
                                                             state)
 --    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py

@@ -34,7 +34,7 @@ class _ContextParallelState:
 
 
 _STATE: Optional[_ContextParallelState] = None
-# Dynamic CP's groups (issue #38), built on demand by `initialize_dynamic_context_parallel`.
+# Dynamic CP's groups, built on demand by `initialize_dynamic_context_parallel`.
 _DYNAMIC: Optional["_DynamicGroups"] = None
 # What leaving the grid must also release: objects built on its groups that Python's garbage
 # collector cannot free alone (`on_grid_destroy`).

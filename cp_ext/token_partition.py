@@ -24,7 +24,7 @@ LAYOUTS = ("zigzag", "contiguous")
 
 @dataclass(frozen=True)
 class DocumentZigzag:
-    """Dynamic CP's layout (issue #38): a sequence of whole documents, each zigzagged over the group on its own.
+    """Dynamic CP's layout: a sequence of whole documents, each zigzagged over the group on its own.
 
     Document ``d`` of ``lengths[d]`` tokens (a multiple of ``2 * size``) is cut into ``2 * size`` chunks and
     rank ``r`` holds chunks ``r`` and ``2 * size - 1 - r`` of every document, in sequence order::

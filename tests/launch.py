@@ -287,7 +287,7 @@ def fork_workers(script, nproc, args, timeout=600, env=None):
     """`cp_ext.bench.workers.run_workers` on forked ranks: a tool's ``script --worker --out DIR args``
     (or a package module's, ``script`` its dotted name) on ``nproc`` ranks, each rank's
     ``DIR/rank{r}.json`` in rank order. For tests of what a tool measures;
-    tests/tools/test_bench_generate.py runs a tool under torchrun itself."""
+    tests/bench/test_generate.py runs a tool under torchrun itself."""
     from cp_ext.bench.workers import WorkerConfigError, is_module_name, read_config_error
 
     out = Path(tempfile.mkdtemp(prefix="workers_", dir=session_dir()))

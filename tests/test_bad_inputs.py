@@ -1,4 +1,4 @@
-"""Every bad input a careless or hostile user tried (issue #16), run as the user runs it.
+"""Every bad input a careless or hostile user would try, run as the user runs it.
 
 Each row starts the real `pretrain_moe.py` (plain ``python``, one rank) and must end within
 30 s with exit status 2, one ``configuration error`` message naming the flag or file and

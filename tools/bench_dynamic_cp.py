@@ -1,4 +1,4 @@
-"""Dynamic CP against static CP on the same documents, in one run (issue #38): counted per-rank attention work and
+"""Dynamic CP against static CP on the same documents, in one run: counted per-rank attention work and
 ring bytes (max/mean over the ranks), and the modelled step time at an H100's rate, for static CP, Megatron-LM's
 dynamic-CP scheduler and cp_ext's.
 

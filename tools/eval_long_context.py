@@ -21,7 +21,7 @@ the checkpoint's shape is checked against them); the checkpoint's weights are lo
 
 Writes ``results.json`` and ``long_context.png`` (accuracy heat map length x depth; loss vs
 position) into ``--out-dir`` and prints a table. Results are the same at any CP layout (ties
-aside): tests/tools/test_eval_long_context.py compares CP=1 with CP=2.
+aside): tests/training/test_eval_long_context.py compares CP=1 with CP=2.
 """
 
 import argparse

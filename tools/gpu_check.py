@@ -19,7 +19,7 @@ each test appends its rows to ``DIR/rows.jsonl``, `tests.gpu.conftest`), and pri
    `KERNELS` that can run here x fp64/fp32/bf16/fp16 x causal/full x MHA/GQA: out, LSE, dq, dk, dv
    against float64 truth. Packed documents through every kernel's segments and through the ring;
    windows, sinks and MLA's 192/128 head dims through every kernel; then
-   ``pytest tests/attention/test_cuda_kernels.py`` (one GPU), and Megatron-LM's five MoE scripts'
+   ``pytest tests/attention/kernels/test_cuda_kernels.py`` (one GPU), and Megatron-LM's five MoE scripts'
    flags (tests/families, shrunk in sizes, bf16) training 3 iterations on one GPU.
 3. Two or more GPUs (tests/gpu/test_multi_gpu.py; torchrun, NCCL, one rank per GPU): ring,
    Ulysses and the hybrid on ~4096 tokens, bf16 and fp32, against float64 truth; a 30-iteration

@@ -1,4 +1,4 @@
-"""Dynamic context parallelism's flags (issue #38), as Megatron-LM spells them, and their rules.
+"""Dynamic context parallelism's flags, as Megatron-LM spells them, and their rules.
 
     --dynamic-context-parallel         each document on a CP group of its own size over the DP x CP ranks
     --hybrid-context-parallel          megatron-core 0.16-0.19's name for it (Megatron-LM dev deprecated it)

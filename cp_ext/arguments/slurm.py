@@ -1,4 +1,4 @@
-"""What a run under SLURM must agree with: its job's requeue policy and its step's nodes (issue #39).
+"""What a run under SLURM must agree with: its job's requeue policy and its step's nodes.
 
 - A job SLURM requeues (after a node failure, a preemption, ``scontrol requeue``) starts its batch script
   again. Without --save the new run starts over from iteration 0, and nothing says so: a requeued run

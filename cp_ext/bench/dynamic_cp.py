@@ -1,5 +1,5 @@
 """Dynamic CP against static CP on the same documents: counted work and bytes per rank, and a modelled step
-(issue #38's benchmark; `tools/bench_dynamic_cp.py` prints it).
+(`tools/bench_dynamic_cp.py` prints it).
 
 Three plans of one global batch of whole documents over ``world`` = DP x CP ranks:
 

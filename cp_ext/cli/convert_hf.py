@@ -15,7 +15,7 @@ from Hugging Face's by the family's adapter when the writer asks for it (under t
 its own chunks), and export reads one layer's units at a time, splits each back into Hugging Face's by the
 same adapter, casts to config.json's dtype and writes shards of at most --max-shard-size with an index,
 config.json and the tokenizer the import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end.
-HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
+HF -> cp_ext -> HF gives every tensor back bit for bit (tests/hf/test_convert.py).
 """
 
 import argparse

@@ -1,5 +1,5 @@
 """Dynamic context parallelism's plan for one global batch: which DP x CP ranks run each document, in which
-microbatch, at which CP size (issue #38; Megatron-LM's ``--dynamic-context-parallel``, called "hybrid context
+microbatch, at which CP size (Megatron-LM's ``--dynamic-context-parallel``, called "hybrid context
 parallel" in megatron-core 0.16-0.19). Pure Python: the same plan on every rank from the same lengths.
 
     sizes = group_sizes(world=8)                                   # 1, 2, 4, 8: every divisor
@@ -26,9 +26,9 @@ dev-branch algorithm (power-of-two sizes, cost L^2 / c only, one microbatch at a
 comparison: the megatron-core releases cp_ext supports (0.16-0.19) ship only V1's per-document schedule.
 On Megatron's example mix (lognormal mean 1024, sigma 1.5, 128-8192 tokens, M 2048) under this module's cost
 with per_token 512 and exchange 256, the modelled step against every document at full CP: 4 ranks cp_ext 1.18,
-megatron's 1.16; 8 ranks 1.54 and 1.50 (16 ranks on a 1K-128K mix: 1.15 and 1.20: work to do).
-The runtime: `cp_ext.training.dynamic_batches` (docs/dynamic_cp.md); the benchmark tool and the tuning are
-issue #38's next steps.
+megatron's 1.16; 8 ranks 1.54 and 1.50 (16 ranks on a 1K-128K mix: 1.15 and 1.20, where megatron's is ahead).
+The runtime: `cp_ext.training.dynamic_batches` (docs/dynamic_cp.md); the benchmark: `cp_ext.bench.dynamic_cp`
+(``tools/bench_dynamic_cp.py``).
 """
 
 import math

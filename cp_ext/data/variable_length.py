@@ -1,4 +1,4 @@
-"""Variable-length samples for dynamic context parallelism (issue #38): one whole document per sample.
+"""Variable-length samples for dynamic context parallelism: one whole document per sample.
 
 A fixed-length sample (megatron's ``GPTDataset``) cuts the token stream into ``--seq-length`` pieces, so a
 long document is spread over several samples and short ones are packed together. Dynamic CP sizes each

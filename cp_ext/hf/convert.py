@@ -9,7 +9,7 @@ when the writer asks for it (under torchrun at a grid, each rank its own chunks)
 layer's units at a time, splits each back into Hugging Face's by the same adapter, casts to config.json's
 dtype and writes shards of at most ``max_shard_bytes`` with an index, config.json and the tokenizer the
 import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end (`cp_ext.checkpoint.disk_format`'s
-publish). HF -> cp_ext -> HF gives every tensor back bit for bit (tests/tools/test_convert_hf.py).
+publish). HF -> cp_ext -> HF gives every tensor back bit for bit (tests/hf/test_convert.py).
 """
 
 import itertools

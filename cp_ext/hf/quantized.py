@@ -10,7 +10,7 @@
   [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]).
 
 Both give, in fp32, exactly what transformers' ``_dequantize_fp8_weight`` and ``convert_moe_packed_tensors`` give
-(tests/tools/test_hf_quantized.py checks it bit for bit). transformers' load-time ``Fp8Dequantize`` agrees where the
+(tests/hf/test_quantized.py checks it bit for bit). transformers' load-time ``Fp8Dequantize`` agrees where the
 blocks tile the weight exactly; it derives the block from the scale grid (rows // grid rows), so at a partial edge
 it raises or mis-tiles (576 rows in 5 blocks), where DeepSeek's kernel and this one do not. The quantizers make such
 tensors, for tests or a user who wants them.

@@ -16,7 +16,7 @@ Activations saved for backward, per token and layer: `cp_ext.perf.activations` (
 MLA with its per-head or latent CP exchange, qk-norm, dense or MoE MLP, shared experts, the
 router), summed over the first stage's layers. Measured against `tools/measure_memory.py`
 (saved-tensor hooks): within 2% on every family of tests/families, fp32 and bf16, CP1 and CP2,
-with and without CP-aware full recompute (tests/tools/test_measure_memory_families.py).
+with and without CP-aware full recompute (tests/bench/test_memory_measure_families.py).
 
 This is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (2022), eq. (2): ``sbh (34 + 5 a s / h)`` bytes per layer in fp16 with dropout, with
@@ -91,7 +91,7 @@ def all_gather_transient_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1
     forward: the gathered K/V ``[b, g/t, s, d + d_v]`` (MLA's latent: ``[b, 1, s, r + p]``) in the
     activation dtype; backward: the same again plus its full-sequence gradient in fp32 before the
     reduce-scatter, and the call's fp32 results (this rank's 1/cp of that gradient, dQ). ``peak``
-    is the larger. Only the GQA/MHA case is measured (tests/tools/test_measure_memory.py).
+    is the larger. Only the GQA/MHA case is measured (tests/bench/test_memory_measure.py).
     """
     if cp <= 1:
         return {"fwd": 0.0, "bwd": 0.0, "peak": 0.0}

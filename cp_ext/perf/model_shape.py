@@ -6,7 +6,7 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
 `layer_params` counts one layer's parameters the way megatron-core builds that layer
 (cp_ext's decoder block spec: local linear layers, separate norms, SequentialMLP experts);
 `total_params` equals ``sum(p.numel())`` of the built model for every family in tests/families
-(tests/tools/test_model_shape.py). What a layer holds:
+(tests/perf/test_model_shape.py). What a layer holds:
 
     attention   GQA: linear_qkv [(a + 2g) d, h] (+ bias with --add-bias-linear / --add-qkv-bias),
                 linear_proj [h, a d] (+ bias h), q/k layernorm d each (--qk-layernorm),

@@ -1,4 +1,4 @@
-"""Dynamic context parallelism's microbatches (issue #38): every document of the global batch on a CP group of
+"""Dynamic context parallelism's microbatches (Megatron-LM's ``--dynamic-context-parallel``): every document of the global batch on a CP group of
 its own size, the microbatches each DP x CP rank runs, and their tensors.
 
     global batch  = --global-batch-size documents after ``consumed_samples`` (`cp_ext.data.variable_length`)

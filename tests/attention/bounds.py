@@ -6,7 +6,7 @@ path may add to that:
 
 * bf16 / fp16: each ring step's block output is rounded to the dtype before the fp32 merge, one
   rounding of up to ``LOW_PREC_SLACK[dtype]`` x max|truth| beyond 2 x ref (docs/attention.md).
-  tests/attention/test_ring.py holds the ring to exactly this; `gpu_check_bound` adds a cap.
+  tests/attention/cp/test_ring.py holds the ring to exactly this; `gpu_check_bound` adds a cap.
 * The GPU check (`gpu_check_bound`, tests/gpu): every kernel x dtype through the ring on one
   device, windows, sinks and MLA through each kernel, and ring / Ulysses / hybrid over NCCL:
 

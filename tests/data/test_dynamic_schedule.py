@@ -1,4 +1,4 @@
-"""Dynamic CP's scheduler (`cp_ext.data.dynamic_schedule`, issue #38): the plan's invariants on lognormal
+"""Dynamic CP's scheduler (`cp_ext.data.dynamic_schedule`): the plan's invariants on lognormal
 batches of documents, short documents kept off the exchange, non-power-of-two group sizes, a document too long
 for the ranks named, and the modelled step time against running every document at the full CP size."""
 

@@ -13,7 +13,7 @@ mode through the tool, with deliberately broken rings that must fail.
   with every kernel that runs there x fp64/fp32/bf16/fp16 x causal/full x MHA/GQA, packed documents
   through every kernel's segments and through the ring (`ring_harness.py`);
 * test_masks.py: windows, sinks and MLA's head dims through every kernel;
-* test_one_gpu.py: tests/attention/test_cuda_kernels.py, and Megatron-LM's MoE scripts on one GPU;
+* test_one_gpu.py: tests/attention/kernels/test_cuda_kernels.py, and Megatron-LM's MoE scripts on one GPU;
 * test_multi_gpu.py: NCCL ring / Ulysses / hybrid, a demo training, the bench's byte counts and the
   model's grid equivalence, on every GPU.
 

@@ -2,10 +2,10 @@
 
 * ``dsa sparse attention k20``: the indexer's top-20 (`indexer_topk`, tiled) and the sparse MQA attention over
   the latent, out and the gradients of q_nope, q_pe, c, k_pe, W_up, on the device, against float64 dense
-  masked per-head MLA on the CPU (tests/attention/test_sparse.py's model and reference); the selection must
+  masked per-head MLA on the CPU (tests/attention/dsa/test_sparse_attention.py's model and reference); the selection must
   be the reference's.
 * ``dsa indexer loss dense|sparse-k20``: the indexer loss and the gradients of the indexer's q, w, k on the
-  device against float64 (tests/attention/test_dsa_loss.py's model and reference).
+  device against float64 (tests/attention/dsa/test_indexer_loss.py's model and reference).
 
 "ref" is the same model's dense fp32 reference on the CPU plus half an fp32 ulp of the largest true value, so
 `gpu_check_bound`'s fp32 rule (2 x ref) is the CPU tests' bound.

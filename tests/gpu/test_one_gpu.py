@@ -1,4 +1,4 @@
-"""On one GPU: tests/attention/test_cuda_kernels.py passes with nothing skipped, and Megatron-LM's five MoE
+"""On one GPU: tests/attention/kernels/test_cuda_kernels.py passes with nothing skipped, and Megatron-LM's five MoE
 scripts' flags (tests/families, shrunk in sizes, bf16) train 3 iterations each (`tests.gpu.runs`).
 Without CUDA both are "not covered" rows."""
 
@@ -16,7 +16,7 @@ def test_cuda_kernels_pass(report, device, budget, out_dir):
     if device.type != "cuda":
         report.not_covered("needs CUDA")
     r = report.add(pytest_row("single", CUDA_KERNELS, out_dir, "test_cuda_kernels",
-                              ["tests/attention/test_cuda_kernels.py"], budget.left(150)))
+                              ["tests/attention/kernels/test_cuda_kernels.py"], budget.left(150)))
     assert r["status"] == PASS, r
 
 

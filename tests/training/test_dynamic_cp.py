@@ -1,4 +1,4 @@
-"""Dynamic context parallelism (issue #38) = one process, on the same global batches of documents.
+"""Dynamic context parallelism = one process, on the same global batches of documents.
 
 A corpus of documents of lognormal lengths (2 to 150 tokens, cut at --seq-length 64) trains 2 iterations
 with --dynamic-context-parallel on 4 ranks: each document on a group of 1, 2 or 4 of the DP x CP ranks

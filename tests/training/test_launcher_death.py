@@ -1,8 +1,8 @@
 """torchrun SIGKILLed mid-save leaves no rank behind, and the checkpoint it points at still loads.
 
-A `kill -9` of torchrun (an OOM kill, SLURM tearing a step down under ``proctrack/linuxproc``) used to leave
-a rank re-parented to init, blocked in a futex, holding its sockets and the run's log for as long as nobody
-looked (issue #39). Every rank now dies with its launcher (`cp_ext.training.signals.die_with_launcher`).
+A `kill -9` of torchrun (an OOM kill, SLURM tearing a step down under ``proctrack/linuxproc``) would leave
+a rank re-parented to init, blocked in a futex, holding its sockets and the run's log, were it not that every
+rank dies with its launcher (`cp_ext.training.signals.die_with_launcher`).
 The run saves every iteration, so the kill lands in or near a save; the tracker then names a complete
 checkpoint, which a new run loads (taking the killed run's save lock over) and trains on. About 30 s.
 What a rank forks (megatron's checkpoint writers) dies with it too: a 4 s test forks two levels deep.

@@ -4,7 +4,7 @@ One process of its own (`run_code`): megatron's own ``MLASelfAttention`` built w
 CoreAttention as its core attention (it passes ``k_channels`` / ``v_channels``); the sink under
 megatron's name and shape for ``softmax_type`` off-by-one and learnable; ``window_size`` on the
 layers ``is_layer_window_attention`` selects. Every output is checked against explicit float64
-attention with the same mask and sink (tests/attention/test_masks.py's reference).
+attention with the same mask and sink (tests/attention/masks/test_masked_attention.py's reference).
 """
 
 import textwrap

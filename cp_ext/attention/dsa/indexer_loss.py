@@ -36,7 +36,7 @@ to CP = 1's. megatron-core 0.19 divides by the local query count instead (its
 ``reduce_indexer_kl_sum``), which makes each rank's value CP times its share.
 
 megatron-core 0.16.1 takes ``log(Q + 1e-10)`` where this takes ``log Q`` (as 0.19 does): the two differ
-only where Q < ~1e-6, which the tests' models avoid (tests/attention/test_dsa_loss.py compares with both).
+only where Q < ~1e-6, which the tests' models avoid (tests/attention/dsa/test_indexer_loss.py compares with both).
 """
 
 from typing import Optional

@@ -27,7 +27,7 @@ row is empty once all blocks are in.
 
 **Exactness.** Which keys a query attends to is the selection alone (``selected``: global positions,
 -1 for padding), the same on every layout; causality is in the selection. The result differs from a
-dense masked attention only by float rounding (tests/attention/test_sparse.py: against float64).
+dense masked attention only by float rounding (tests/attention/dsa/test_sparse_attention.py: against float64).
 """
 
 from typing import Optional

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.reference import (  # noqa: E402
     explicit_attention, full_mask, init_four_ranks, sample_document_ids, value_errors,
 )

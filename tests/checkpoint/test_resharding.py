@@ -39,7 +39,7 @@ GRIDS = {
     "cp4_u2r2_mtp": ["--context-parallel-size", "4", "--ulysses-size", "2", "--mtp-num-layers", "1"],
 }
 MTP_REFERENCE = ["--mtp-num-layers", "1"]  # the uninterrupted run of the MTP pairs (DP4)
-PAIRS = [  # (saving grid, loading grid): the list, each way
+PAIRS = [  # (saving grid, loading grid): every supported reshard, each way
     ("dp4_ep2", "tp2_sp_ep2"), ("tp2_sp_ep2", "dp4_ep2"),
     ("dp4_ep2", "pp2_ep2"), ("pp2_ep2", "dp4_ep2"),
     ("dp4_ep2", "dp4_ep1"), ("dp4_ep1", "dp4_ep2"),

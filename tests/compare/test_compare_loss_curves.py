@@ -3,7 +3,7 @@
 The CLI is run as a subprocess (exit status is its contract: 0 agree, 1 differ, 2 bad input);
 pure helpers are imported from cp_ext.compare.curves. The real CP=2 vs CP=1 training pair is in
 tests/scripts/test_compare_cp.py; the 60-iteration demo pairs that --band is checked on are stored in
-tests/tools/data/cpu_demo/.
+tests/compare/data/cpu_demo/.
 """
 
 import json
@@ -531,7 +531,7 @@ def test_band_does_not_excuse_nan_or_missing_iterations(tmp_path):
 
 
 # ---------------------------------------------------------------- the band on real runs (tests/tools/data)
-# tests/tools/data/cpu_demo/README.md says how each metrics.jsonl was made: configs/cpu_demo.yaml, 60 iterations,
+# tests/compare/data/cpu_demo/README.md says how each metrics.jsonl was made: configs/cpu_demo.yaml, 60 iterations,
 # 4 CPU ranks, CP2 x DP2 ("cp2") against DP4 ("cp1"), fp32 unless named bf16.
 
 DATA = REPO_ROOT / "tests" / "tools" / "data" / "cpu_demo"

@@ -1,6 +1,6 @@
 """tools/convert_hf.py import and export, checked token by token against transformers' own model code.
 
-Small random models are built with transformers' config classes (no hub, `tests.tools.hf_models`): a
+Small random models are built with transformers' config classes (no hub, `tests.hf.hf_models`): a
 Qwen3-MoE (q/k norms, GQA with its own head dim, a dense first layer, normalized top-k routing), saved
 sharded with an index, a Mixtral (GQA, softmax top-2), saved as one file, and a GPT-OSS (biases, sinks,
 alternating 8-key sliding windows, the release's YaRN, stacked interleaved experts, the clamped GLU),
@@ -25,7 +25,7 @@ import struct
 import pytest
 
 from tests.launch import REPO_ROOT, run_script
-from tests.tools.hf_models import SHARDS, tiny_hf
+from tests.hf.hf_models import SHARDS, tiny_hf
 
 TOOL, GENERATE = REPO_ROOT / "tools" / "convert_hf.py", REPO_ROOT / "tools" / "generate.py"
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."  # 62 bytes: a tail past CP2's split
@@ -83,7 +83,7 @@ def _scores_equal_transformers(ckpt, model, nproc, flags, tmp_path):
     assert generated[0, -n:].tolist() == record["ids"]
 
 
-# DSA runs on the ring and all-gather; Ulysses is refused at parse time (tests/test_dsa_arguments.py)
+# DSA runs on the ring and all-gather; Ulysses is refused at parse time (tests/arguments/test_dsa.py)
 ULYSSES = {"cp2_ulysses", "cp4_u2r2"}
 
 

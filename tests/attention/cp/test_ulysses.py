@@ -1,6 +1,6 @@
 """Ulysses attention against float64 single-process SDPA on the full sequence.
 
-Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/test_ulysses.py
+Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/cp/test_ulysses.py
 --results-dir DIR`): every rank builds the same seeded full tensors, computes the float64
 truth and single-device SDPA in the case's dtype (the reference error), shards q, k, v and
 dout with `context_parallel_positions` (ring size 1) + `index_select` (the layout the model
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.recorders import record_all_to_all  # noqa: E402
 from tests.attention.reference import check_bounds as _check_bounds, init_four_ranks, measure, value_errors  # noqa: E402
 from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402

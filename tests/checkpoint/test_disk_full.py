@@ -1,5 +1,5 @@
 """A disk that fills during a save: every rank stops with one message naming --save, nothing half-written is
-ever pointed at, and once there is room the run resumes exactly (issue #39).
+ever pointed at, and once there is room the run resumes exactly.
 
 --save is a 6 MiB tmpfs (a mount namespace of the test's own: root only, else skipped with the reason); one
 checkpoint of this model takes 4.3 MiB, so the save at iteration 2 fits and the one at iteration 4 does not.

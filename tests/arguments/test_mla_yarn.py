@@ -1,11 +1,11 @@
-"""MLA's YaRN takes the YaRN flags common attention has (#37): --yarn-original-max-position-embeddings,
+"""MLA's YaRN takes the YaRN flags common attention has: --yarn-original-max-position-embeddings,
 --yarn-beta-fast and --yarn-beta-slow become megatron's MLATransformerConfig fields; what MLA cannot take is one
 message naming the flag."""
 
 import pytest
 
 from cp_ext.arguments import parse_args
-from tests.test_arguments import _error
+from tests.arguments.test_arguments import _error
 
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
        "--v-head-dim", "6", "--rotary-scaling-factor", "4"]
@@ -14,7 +14,7 @@ YARN = ["--yarn-original-max-position-embeddings", "32", "--yarn-beta-fast", "16
 
 def test_mla_yarn_flags_reach_megatrons_config():
     """The fields megatron's MLA builds its YarnRotaryEmbedding from (their effect, end to end: a DeepSeek-V3 whose
-    YaRN starts from 32 positions scores as transformers does, tests/tools/test_convert_hf.py)."""
+    YaRN starts from 32 positions scores as transformers does, tests/hf/test_convert.py)."""
     from cp_ext.config import transformer_config_from_args
 
     cfg = transformer_config_from_args(parse_args(MLA + YARN, world_size=1))

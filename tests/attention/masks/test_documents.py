@@ -1,6 +1,6 @@
 """Packed documents: every CP attention variant with ``document_ids`` against float64 truth.
 
-Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/test_documents.py
+Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/masks/test_documents.py
 --results-dir DIR`): every rank builds the same seeded full q, k, v, dout and document ids
 (random lengths; a document spanning every rank; single-token documents; documents shorter
 than a chunk; tail padding with its own id and with a negative id, whose rows attend to
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.reference import (  # noqa: E402
     check_bounds, error_stats, in_order, merge_sensitivity, reference_orders, summation_order_perms,
 )

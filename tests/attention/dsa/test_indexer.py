@@ -7,7 +7,7 @@ Python. Every random input is drawn so that no query's k-th and (k+1)-th referen
 agreeing with the fp64 one is not luck; the tie inputs (`tie_inputs`) use small integers instead,
 whose scores are exact in every dtype and summation order, so their many equal scores are truly equal.
 
-Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/test_dsa_indexer.py
+Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/dsa/test_indexer.py
 --results-dir DIR`): one launch for every CP case. Each rank builds the same full inputs, runs
 `indexer_topk` on its shard (ring 2 and 4, zigzag and contiguous; all-gather 2 and 4; rings of 2
 are the pairs [0, 1] and [2, 3]) with ragged tiles (key_tile 5, query_tile 6), and records how its
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4

@@ -2,7 +2,7 @@
 
 The model is DeepSeek-V3.2's attention at toy size: MLA (a latent c of rank R, a shared RoPE key k_pe,
 W_up = linear_kv_up_proj.weight) whose queries attend only to the top-k keys of the lightning indexer
-(`tests.attention.test_dsa_indexer.draw_inputs`: no query's k-th and (k+1)-th scores within 1e-4 relative,
+(`tests.attention.dsa.test_indexer.draw_inputs`: no query's k-th and (k+1)-th scores within 1e-4 relative,
 so the fp32 selection agreeing with the float64 one is not luck). The reference (`reference`) is written
 independently: per-head K/V up-projected in float64, the dense [s, s] scores masked to each query's
 reference top-k, a softmax, and autograd. The path under test is what cp_ext runs: `indexer_topk` on the
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.bounds import check_twice_single_device, shard_errors  # noqa: E402
-from tests.attention.test_dsa_indexer import B, S, draw_inputs  # noqa: E402
+from tests.attention.dsa.test_indexer import B, S, draw_inputs  # noqa: E402
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4

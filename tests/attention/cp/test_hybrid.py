@@ -1,6 +1,6 @@
 """Ulysses x ring hybrid attention against float64 single-process SDPA on the full sequence.
 
-Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/test_hybrid.py
+Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/cp/test_hybrid.py
 --results-dir DIR`): as in test_ulysses.py (shared `measure`), every rank shards seeded full
 tensors with `context_parallel_positions` + `index_select`, runs the attention on its shard
 and records the max abs error of out, dq, dk and dv against float64 SDPA. On 4 ranks:
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.recorders import record_all_to_all  # noqa: E402
 from tests.attention.reference import check_bounds, measure, value_errors  # noqa: E402
 from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402
 
 NPROC = 4
-BF16_SLACK = 2.0 ** -8  # x max|truth|, as for the ring (tests/attention/test_ring.py)
+BF16_SLACK = 2.0 ** -8  # x max|truth|, as for the ring (tests/attention/cp/test_ring.py)
 
 
 def _case(U, R, layout, causal, hk, d=64, s=24, dtype="fp32", h=4, via="hybrid"):

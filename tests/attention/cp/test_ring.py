@@ -1,6 +1,6 @@
 """Ring attention against float64 single-process SDPA on the full sequence.
 
-Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/test_ring.py
+Worker (`python -m torch.distributed.run --nproc-per-node=4 tests/attention/cp/test_ring.py
 --results-dir DIR`): every rank builds the same seeded full tensors, computes the float64
 truth and the single-device SDPA in the case's dtype (the reference error), then runs
 `ring_attention` on its shard and records the max abs error of out, dq, dk and dv. Rings of
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.bounds import LOW_PREC_SLACK  # noqa: E402
 from tests.attention.reference import check_bounds, init_four_ranks, measure  # noqa: E402
 from tests.launch import case_params, launch, worker_args, write_results  # noqa: E402

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.bounds import check_twice_single_device, shard_errors  # noqa: E402
-from tests.attention.test_sparse import B, HEADS, SCALE, S, model_inputs  # noqa: E402
+from tests.attention.dsa.test_sparse_attention import B, HEADS, SCALE, S, model_inputs  # noqa: E402
 from tests.launch import case_params, launch, selected, worker_args, write_results  # noqa: E402
 
 NPROC = 4

@@ -1,4 +1,4 @@
-"""What real Hugging Face releases bring to tools/convert_hf.py, on the tiny models of `tests.tools.hf_models`:
+"""What real Hugging Face releases bring to tools/convert_hf.py, on the tiny models of `tests.hf.hf_models`:
 
 * quantized weights, quantized here as the releases are: DeepSeek-V3's block-scaled FP8 (``weight_scale_inv``;
   8x8 blocks on the toy sizes, so edges and tiling matter) and GPT-OSS's MXFP4 experts (``_blocks``/``_scales``).
@@ -16,8 +16,8 @@ import json
 import pytest
 
 from tests.launch import REPO_ROOT, run_script
-from tests.tools.hf_models import tiny_hf
-from tests.tools.test_convert_hf import GENERATE, PROMPT, TOOL, _scores_equal_transformers
+from tests.hf.hf_models import tiny_hf
+from tests.hf.test_convert import GENERATE, PROMPT, TOOL, _scores_equal_transformers
 
 
 def _save_quantized(model, directory, quantize_name, method, block=None):

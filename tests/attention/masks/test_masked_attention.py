@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.attention.reference import (  # noqa: E402
     FP32_ABS, FP32_ULP, RMS_FACTOR, U, explicit_attention, full_mask, init_four_ranks, sample_document_ids,
 )
