@@ -8,7 +8,9 @@ in the foreground (``-D``) as children of the test, and `stop` ends exactly thos
 processes (by pid, SIGTERM then SIGKILL) plus any job steps left in their process groups.
 
     with SlurmCluster(tmp_path) as cluster:
-        proc = cluster.run(["sbatch", "--wait", script])
+        job = cluster.run(["sbatch", "--parsable", script]).stdout.strip().split(";")[0]
+        fields = cluster.wait_ended(job)  # polls `scontrol show job` every 0.5 s
+        status = sbatch_exit_status(fields)  # what `sbatch --wait` would have exited with
 
 Nothing here touches /etc/slurm or a system slurm; client commands get ``SLURM_CONF``
 pointing at the temp ``slurm.conf`` through `cluster.env`.
@@ -82,6 +84,13 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "OUT_OF_MEMORY", "REQUEUE_HOLD", "SPECIAL_EXIT")
 
 
+def sbatch_exit_status(fields):
+    """The exit status `sbatch --wait` gives for an ended job, from its ExitCode "a:b" (`job_fields`; a: the batch
+    script's exit status, b: the signal that ended it): a, or 128 + b when a is 0 and b is not."""
+    status, sig = (int(x) for x in fields["ExitCode"].split(":"))
+    return status or (128 + sig if sig else 0)
+
+
 class SlurmClusterError(RuntimeError):
     pass
 
@@ -151,8 +160,9 @@ class SlurmCluster:
             "SlurmdTimeout=60",
             "InactiveLimit=0",
             "KillWait=5",
-            # sbatch --wait polls after 2 s, then every 8 s while MinJobAge/2 <= 8 (slurm's
-            # _job_wait backs off 2 -> 8 -> 32 s only while the interval is < MinJobAge/2).
+            # How long an ended job's record stays: `wait_ended` polls scontrol every 0.5 s, well within it;
+            # sbatch --wait (test_network_faults.py) polls after 2 s, then every 8 s while MinJobAge/2 <= 8
+            # (slurm's _job_wait backs off 2 -> 8 -> 32 s only while the interval is < MinJobAge/2).
             "MinJobAge=16",
         ]
         settings = dict(self.settings)
@@ -220,6 +230,26 @@ class SlurmCluster:
         purged the record (MinJobAge)."""
         out = self.run(["scontrol", "show", "job", "-o", str(job)], check=False).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_ended(self, job, timeout=300, poll=0.5) -> dict:
+        """Wait for ``job`` to end: `job_fields` every ``poll`` s until its JobState is one of ENDED, then its fields;
+        {} if the record is gone (purged MinJobAge after the end). Not at the transient states a job shows on its way
+        (SIGNALING, COMPLETING, ...). After ``timeout`` s: AssertionError naming the job, its last state, the tail of
+        its output (StdOut) and the daemons' logs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.job_fields(job)
+            if not fields or fields.get("JobState") in ENDED:
+                return fields
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(poll)
+        try:
+            out = Path(fields["StdOut"]).read_text(errors="replace")[-4000:]
+        except (KeyError, OSError):
+            out = "(no job output)"
+        raise AssertionError(f"job {job} did not end within {timeout} s: last JobState={fields.get('JobState')}\n"
+                             f"--- job output ---\n{out}\n{self.logs()}")
 
     def logs(self, tail=3000):
         out = []

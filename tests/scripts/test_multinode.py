@@ -22,7 +22,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, run_script
 from tests.scripts.multinode_cluster import NODE_IFNAME, running_cluster
-from tests.scripts.slurm_cluster import ENDED, SlurmClusterError, free_port
+from tests.scripts.slurm_cluster import SlurmClusterError, free_port
 
 # The launcher's, SLURM's and the network's behaviour, the same on either megatron-core: CI runs it on the
 # 3.11 leg (its 0.19 leg would not stay under 20 minutes); the model's exactness on 0.19 is the single-node
@@ -104,8 +104,8 @@ def test_two_nodes_train_as_one_node(cluster, tmp_path, per_node):
 
     Measured on the 2-core machine: 26 to 40 s in all over five runs (39.6 s in one `pytest tests/scripts`:
     the sbatch job 26.0 s, the job itself about 23 s (torchrun and the imports on both nodes, 3
-    iterations) and then sbatch --wait's poll, now a 0.5 s poll of its own; the one-node reference 13.6 s, forked from the
-    pre-imported test server); 53 s once while other work shared the cores."""
+    iterations) and then the wait for its end (sbatch --wait's 8 s poll then; `wait_ended`'s 0.5 s now); the
+    one-node reference 13.6 s, forked from the pre-imported test server); 53 s once while other work shared the cores."""
     run_dir = tmp_path / "run"  # submit_and_wait's --log-dir
     into_n2 = cluster.link_bytes("n2")[0]
     watch = RankWatch(cluster, "n2")
@@ -144,27 +144,23 @@ def test_two_nodes_train_as_one_node(cluster, tmp_path, per_node):
     assert grid in ref.stdout, ref.stdout[-3000:]
     multi, single = lm_losses(run_dir), lm_losses(ref_dir)
     assert len(multi) == len(single) == 3, (multi, single)
-    assert multi == single, (multi, single)  # bit-equal (the issue allows 1e-5 relative; they are equal)
+    assert multi == single, (multi, single)  # bit-equal (1e-5 relative would do; they are equal)
     assert grad_norms(run_dir) == grad_norms(ref_dir)
 
 
 def submit_and_wait(cluster, tmp_path, name, timeout=120, per_node=1, **env_vars):
     """sbatch the multi-node script on both nodes (3 iterations, ``per_node`` ranks a node) with ``env_vars``;
-    wait for the job to end, polling `scontrol show job` every 0.5 s (sbatch --wait polls every 8 s here);
-    return (job id, JobState, ExitCode, log). Its --log-dir is tmp_path / name."""
+    wait for the job to end (`cluster.wait_ended`: `scontrol show job` every 0.5 s, where sbatch --wait would poll every
+    8 s); return (job id, JobState, ExitCode, log), JobState and ExitCode None if the record is gone. Its --log-dir is
+    tmp_path / name."""
     out = tmp_path / f"{name}.out"
     env = cluster.cpu_job_env(per_node, **env_vars)
     job = cluster.run(["sbatch", "--parsable", "--nodes=2", f"--output={out}", "--gpus-per-node=0", f"--cpus-per-task={per_node}",
                        "--time=10", f"--job-name={name}", str(SCRIPT), *FLAGS, "--log-dir", tmp_path / name],
                       check=True, env=env, cwd=REPO_ROOT).stdout.strip().split(";")[0]
-    deadline, state, code = time.monotonic() + timeout, None, None
-    while time.monotonic() < deadline:
-        fields = cluster.job_fields(job)
-        state, code = fields.get("JobState"), fields.get("ExitCode")
-        if state is None or state in ENDED:
-            break
-        time.sleep(0.5)
-    return job, state, code, out.read_text() if out.exists() else "(no job output)"
+    fields = cluster.wait_ended(job, timeout=timeout)
+    log = out.read_text() if out.exists() else "(no job output)"
+    return job, fields.get("JobState"), fields.get("ExitCode"), log
 
 
 def test_a_rendezvous_address_another_node_cannot_reach_ends_the_job_at_once(cluster, tmp_path):

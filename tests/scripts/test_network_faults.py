@@ -1,4 +1,4 @@
-"""Issue #39's network-partition and slow-node faults on a real 2-node job (scripts/slurm_multi_node.sbatch)
+"""The network-partition and slow-node faults on a real 2-node job (scripts/slurm_multi_node.sbatch)
 in the namespace cluster of tests/scripts/multinode_cluster.py.
 
 One 8-node cluster, four 2-node jobs (one CPU rank per node, CP 2 across the bridge, as in

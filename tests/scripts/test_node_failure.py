@@ -1,4 +1,4 @@
-"""Issue #39's "Node crash" fault: a node of a running 2-node job dies; the job is requeued and resumes.
+"""A node crash: a node of a running 2-node job dies; the job is requeued and resumes.
 
 A 3-node cluster (tests/scripts/multinode_cluster.py, ``SlurmdTimeout=10`` so slurmctld marks a dead
 node DOWN within about 10-20 s) runs scripts/slurm_multi_node.sbatch on 2 nodes (n1, the batch host,

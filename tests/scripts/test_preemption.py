@@ -1,4 +1,4 @@
-"""Issue #39's requeues that the batch script makes itself: preemption, and the time-limit warning, on 2 nodes.
+"""The requeues that the batch script makes itself: preemption, and the time-limit warning, on 2 nodes.
 
 A 2-node SLURM cluster (tests/scripts/multinode_cluster.py: each node its own namespaces, hostname,
 address and slurmd) with SLURM's partition-priority preemption: partition ``low`` (PriorityTier 1,
@@ -36,7 +36,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, lm_losses, run_script
 from tests.scripts.multinode_cluster import running_cluster
-from tests.scripts.slurm_cluster import ENDED, free_port
+from tests.scripts.slurm_cluster import free_port
 
 # SLURM's preemption and the sbatch script, the same on either megatron-core: the 3.12 leg (the 3.11 leg
 # has the other multi-node faults).
@@ -123,12 +123,8 @@ def interrupted_run(cluster, tmp_path, stop):
     log = lambda: out.read_text() if out.exists() else "(no job output)"  # noqa: E731
     assert metrics.exists(), f"the job never trained:\n{log()}\n{cluster.logs()}"
     stop(job)
-    deadline, state = time.monotonic() + 300, None
-    while time.monotonic() < deadline:
-        state = job_state(cluster, job)
-        if state is None or state in ENDED:  # not at SIGNALING, which a preempted job shows for a moment
-            break
-        time.sleep(0.5)
+    # a state in ENDED (not SIGNALING, which a preempted job shows for a moment) or the record gone
+    state = cluster.wait_ended(job, timeout=300).get("JobState")
     text = log()
     return job, text, run_dir, save, state, f"{state}\n--- job log ---\n{text[-8000:]}\n{cluster.logs()}"
 
@@ -156,9 +152,7 @@ def _preempted(cluster, tmp_path):
                                      check=True, env=cluster.env).stdout.strip().split(";")[0])
 
     outcome = interrupted_run(cluster, tmp_path, preempt)
-    deadline = time.monotonic() + 120  # on a busy machine the preemptor may still be ending
-    while (state := job_state(cluster, preemptor[0])) not in (None, *ENDED) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    state = cluster.wait_ended(preemptor[0], timeout=120).get("JobState")  # on a busy machine it may still be ending
     return outcome, state
 
 

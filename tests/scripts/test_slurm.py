@@ -3,8 +3,9 @@
 The cluster (tests/scripts/slurm_cluster.py): Debian's slurm-wlm 22.05, slurmctld + slurmd in
 the foreground as children of this test, auth/none (no munge), state and logs in a temp dir,
 ports picked free. The job is the real sbatch script in CPU mode: 2 gloo ranks of the CPU demo
-config shrunk by flags, submitted with `sbatch --wait`. Afterwards exactly the two daemons
-started here are stopped.
+config shrunk by flags, submitted with `sbatch --parsable` and waited for by polling `scontrol show job`
+every 0.5 s (`SlurmCluster.wait_ended`; its exit status as `sbatch --wait` gives it, `sbatch_exit_status`).
+Afterwards exactly the two daemons started here are stopped.
 
 Skipped (with the reason) only when slurm is not installed and `apt-get install slurm-wlm`
 is not possible or fails, or when the daemons cannot start on this machine.
@@ -17,7 +18,8 @@ import re
 import pytest
 
 from tests.launch import REPO_ROOT
-from tests.scripts.slurm_cluster import ENDED, SlurmCluster, SlurmClusterError, free_port, slurm_unavailable
+from tests.scripts.slurm_cluster import (SlurmCluster, SlurmClusterError, free_port, sbatch_exit_status,
+                                         slurm_unavailable)
 
 pytestmark = pytest.mark.ci_leg("3.11")  # the sbatch scripts and SLURM's signals, on either megatron-core
 
@@ -44,6 +46,8 @@ def cluster(tmp_path_factory):
 
 
 def submit(cluster, tmp_path, *args, **env_vars):
+    """sbatch the single-node script and wait for the job to end: (sbatch's process, its returncode the job's exit
+    status as `sbatch --wait` gives it; the job log; the job id; its `scontrol show job` fields at the end)."""
     out = tmp_path / "job.out"
     env = dict(cluster.env, CP_EXT_CPU="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                **env_vars)
@@ -52,39 +56,21 @@ def submit(cluster, tmp_path, *args, **env_vars):
            "--time=10", "--job-name=cp_ext_test", str(SCRIPT), *map(str, args)]
     proc = cluster.run(cmd, check=False, timeout=60, env=env, cwd=REPO_ROOT)
     job = proc.stdout.strip().split(";")[0] if proc.returncode == 0 else None
-    if job:  # as sbatch --wait, whose polls come every 8 s here: sbatch's exit status is the job's
-        proc.returncode = wait_for_job(cluster, job)
+    fields = {}
+    if job:  # sbatch's exit status becomes the job's, as with sbatch --wait (which would poll every 8 s here)
+        fields = cluster.wait_ended(job, timeout=300)
+        assert fields, f"job {job}: its record was purged before its end was seen\n{cluster.logs()}"
+        proc.returncode = sbatch_exit_status(fields)
     log = out.read_text() if out.exists() else "(no job output)"
-    return proc, log, job
-
-
-def wait_for_job(cluster, job, timeout=300):
-    """The job's exit status once it has ended (polled every 0.5 s), as `sbatch --wait` gives it."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(cluster, job) or ""
-        state, code = re.search(r"JobState=(\S+)", info), re.search(r"ExitCode=(\d+):(\d+)", info)
-        if state and state.group(1) in ENDED and code:
-            return int(code.group(1)) or (128 + int(code.group(2)) if int(code.group(2)) else 0)
-        time.sleep(0.5)
-    raise AssertionError(f"job {job} did not end within {timeout} s\n{cluster.logs()}")
-
-
-def job_info(cluster, job):
-    """`scontrol show job`, or None once slurmctld has purged the record (MinJobAge=16 s)."""
-    proc = cluster.run(["scontrol", "show", "job", job], check=False)
-    return proc.stdout if proc.returncode == 0 else None
+    return proc, log, job, fields
 
 
 def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--log-dir", run_dir)
+    proc, log, job, fields = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--log-dir", run_dir)
     context = f"sbatch exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}\n--- job log ---\n{log[-6000:]}\n{cluster.logs()}"
     assert proc.returncode == 0 and job, context
-    info = job_info(cluster, job)
-    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info), info
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", fields
     # the script's own banner: CPU mode, 2 ranks, rendezvous on the node list's first host, and the
     # one timeout (pretrain_moe.py's default; also torchrun's --rdzv-conf join_timeout=600 on this run)
     assert re.search(rf"cp_ext: job {job} on 1 node\(s\) \[{cluster.node}\], 2 ranks/node, rendezvous {cluster.node}:\d+, "
@@ -100,12 +86,11 @@ def test_sbatch_two_rank_cpu_run(cluster, tmp_path):
 
 
 def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
-    """A configuration error on every rank: the job fails and sbatch --wait says so."""
-    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3",
+    """A configuration error on every rank: the job fails and its exit status (as sbatch --wait gives it) says so."""
+    proc, log, job, fields = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "3",
                             "--pipeline-model-parallel-size", "2")
     assert proc.returncode != 0 and job, f"{proc.stdout}\n{proc.stderr}\n{log}"
-    info = job_info(cluster, job)
-    assert info is None or "JobState=FAILED" in info, info
+    assert fields["JobState"] == "FAILED", fields
     assert "training done" not in log
 
 
@@ -113,10 +98,9 @@ def test_a_master_addr_of_another_host_fails_the_job_at_once(cluster, tmp_path):
     """MASTER_ADDR exported for another host (here TEST-NET-2's 198.51.100.7): no node would host torchrun's
     rendezvous store and every node would wait 60 s for it; instead the batch script ends the job with exit
     2 and one message naming MASTER_ADDR and the fix, before srun starts anything."""
-    proc, log, job = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, MASTER_ADDR="198.51.100.7")
+    proc, log, job, fields = submit(cluster, tmp_path, "configs/cpu_demo.yaml", *SHRINK, MASTER_ADDR="198.51.100.7")
     assert proc.returncode != 0 and job, f"{proc.stdout}\n{proc.stderr}\n{log}"
-    info = job_info(cluster, job)
-    assert info is None or ("JobState=FAILED" in info and "ExitCode=2:0" in info), info
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", fields
     assert log.count("error: MASTER_ADDR=198.51.100.7 (198.51.100.7) is not an address of the job's first node "
                      f"{cluster.node} (") == 1, log
     assert "cp_ext: job" not in log and "Traceback" not in log, log
@@ -152,15 +136,11 @@ def test_time_limit_warning_without_requeue_saves_and_exits_0(cluster, tmp_path)
         time.sleep(0.2)
     assert metrics.exists(), f"the job never trained:\n{out.read_text() if out.exists() else ''}\n{cluster.logs()}"
     cluster.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-    deadline, info = time.time() + 240, ""
-    while time.time() < deadline:
-        info = job_info(cluster, job)
-        if info is None or "JobState=RUNNING" not in info and "JobState=PENDING" not in info:
-            break
-        time.sleep(0.5)
+    fields = cluster.wait_ended(job, timeout=240)  # past SIGNALING/COMPLETING: a state in ENDED, or the record gone
     log = out.read_text()
-    context = f"{info}\n--- job log ---\n{log[-6000:]}"
-    assert info is None or ("JobState=COMPLETED" in info and "ExitCode=0:0" in info and "Restarts=0" in info), context
+    context = f"{fields}\n--- job log ---\n{log[-6000:]}"
+    assert not fields or (fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0"
+                          and fields.get("Restarts") == "0"), context
     assert "cp_ext: USR1 (time limit near): SIGTERM to the training ranks" in log, context
     assert "received SIGTERM (--exit-signal-handler): saving and exiting after iteration" in log, context
     assert (f"cp_ext: job {job} stopped at the time-limit warning (USR1) and is not requeued (Requeue=0: sbatch "
