@@ -3,7 +3,7 @@
 Each row starts the real `pretrain_moe.py` (plain ``python``, one rank) and must end within
 30 s with exit status 2, one ``configuration error`` message naming the flag or file and
 the fix, and no Python traceback. A few rows go through torchrun with 2 ranks: the message
-is printed once, by rank 0. The README's reliability section reports this table's size.
+is printed once, by rank 0. docs/operations.md says what a bad input meets.
 """
 
 import os

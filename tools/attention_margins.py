@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("test_ring", "test_ulysses", "test_hybrid", "test_documents")
+MODULES = ("cp/test_ring", "cp/test_ulysses", "cp/test_hybrid", "masks/test_documents")
 
 
 def run(order, path):
@@ -44,14 +44,14 @@ def main(argv=None):
                 print(f"pytest failed in the {order} order:\n{proc.stdout[-3000:]}", file=sys.stderr)
             rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         for module in MODULES:
-            mine = [r for r in rows if Path(r["test"]).stem == module]
+            mine = [r for r in rows if Path(r["test"]).stem == Path(module).name]
             for bound in ("max", "rms"):
                 best = min(((m, r["case"]) for r in mine for k, m in r["margins"].items()
                             if k.endswith("_rms") == (bound == "rms")), default=None)
                 if best is None:
                     continue
                 worst_overall = min(worst_overall, best[0])
-                print(f"{module:<16}{order:<10}{bound:<9}{best[0]:>11.2f}  {best[1]}")
+                print(f"{Path(module).name:<16}{order:<10}{bound:<9}{best[0]:>11.2f}  {best[1]}")
     print(f"smallest margin: {worst_overall:.2f}")
     if failed or (args.min is not None and worst_overall < args.min):
         return 1

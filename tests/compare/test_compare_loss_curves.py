@@ -530,11 +530,11 @@ def test_band_does_not_excuse_nan_or_missing_iterations(tmp_path):
     assert run_tool(a, short, "--band", "0.5", "--allow-partial").returncode == 0
 
 
-# ---------------------------------------------------------------- the band on real runs (tests/tools/data)
+# ---------------------------------------------------------------- the band on real runs (tests/compare/data)
 # tests/compare/data/cpu_demo/README.md says how each metrics.jsonl was made: configs/cpu_demo.yaml, 60 iterations,
 # 4 CPU ranks, CP2 x DP2 ("cp2") against DP4 ("cp1"), fp32 unless named bf16.
 
-DATA = REPO_ROOT / "tests" / "tools" / "data" / "cpu_demo"
+DATA = REPO_ROOT / "tests" / "compare" / "data" / "cpu_demo"
 BAND = ["--band", "0.02", "--band-ema", "0.95"]
 
 

@@ -3,7 +3,7 @@ as at CP=1, text prompts come back as text and ids, and every bad input is one m
 
 The passkey model is trained for a few iterations (a real run, saved), then generation runs under
 torchrun at CP1 (1 rank) and CP2 ring (2 ranks) on the same held-out samples: the generated token
-ids are identical (fp32). The README's accuracy comes from the full configs/cpu_passkey.yaml run.
+ids are identical (fp32). The accuracy in docs/performance.md comes from the full configs/cpu_passkey.yaml run.
 """
 
 import json
