@@ -1,4 +1,4 @@
-"""The one CP-attention dispatcher: every variant, the autograd path and the recompute path.
+"""The entry point of context-parallel attention: every variant, the autograd path and the recompute path.
 
     q, k, v [s, b, h, d] shards --(Ulysses all-to-all: this rank's heads, the ring shard)-->
     [b, h/U, U*s, d] --(core: one local call, the ring, or all-gather)--> (out, lse)
@@ -214,7 +214,7 @@ def cp_attention_backward(dout, q, k, v, out, lse, plan, softmax_offset=None, up
 
 
 class CPAttnFunc(torch.autograd.Function):
-    """Autograd over the whole dispatcher; keeps the head-layout q, k, v, out for the backward."""
+    """Autograd over the whole entry point; keeps the head-layout q, k, v, out for the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_offset, up_weight, args):

@@ -49,7 +49,7 @@ and goes home from its last reader in one direct message, instead of the rest of
 ``ring_attn_forward`` / ``ring_attn_backward`` work on kernel-layout tensors
 ``[b, h, s, d]`` and any process group, so the Ulysses x ring hybrid calls them on the
 ring sub-group after its all-to-all. The public [s, b, h, d] ``ring_attention`` and the autograd
-Function live in the dispatcher (`cp_ext.attention.cp.context_parallel`). A window plans its tiles like
+Function live in the entry point (`cp_ext.attention.cp.context_parallel`). A window plans its tiles like
 documents do (`cp_ext.attention.masks.tiles`); a sink is added by ``ring_attn_forward``'s finish step;
 what travels is a message (`cp_ext.attention.cp.kv_message`): k and v (side by side when their head
 dims differ), or MLA's latent, up-projected on each rank that computes with the block.

@@ -10,7 +10,7 @@ the whole sequence), and a second all-to-all turns the output back::
     rank 1: P1 x (H0, H1)                    rank 1: (P0, P1) x H1     rank 1: P1 x (H0, H1)
 
 The all-to-all is one function (`all_to_all`, differentiable: its backward is the inverse
-all-to-all). The dispatcher (`cp_ext.attention.cp.context_parallel`) runs it around the core (a local
+all-to-all). The entry point (`cp_ext.attention.cp.context_parallel`) runs it around the core (a local
 kernel call here, the ring in the Ulysses x ring hybrid), with ``ulysses_attention`` the case R = 1.
 A sink (``softmax_offset``) is per head: after the exchange rank u applies the offsets of its
 heads ``[u*h/U, (u+1)*h/U)`` and returns their gradient share.
