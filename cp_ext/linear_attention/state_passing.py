@@ -1,0 +1,71 @@
+"""The gated delta rule under context parallelism by exact state passing: the CP op and its fold.
+
+Each rank runs each of its segments from a zero state (`cp_ext.linear_attention.gated_delta.segment_summary`):
+outputs o0, the propagated queries Qtilde, and the segment's affine map on the state, S_out = M S_in + E.
+The (M, E) of every segment are all-gathered (fp32, fp64 for fp64 inputs) and every rank folds them in
+sequence order, S_in(0) = 0, S_in(j+1) = M_j S_in(j) + E_j, up to its own last segment; its outputs are
+o = o0 + Qtilde S_in. Nothing is approximated: the fold is the recurrence's own associativity, and a
+document start inside a segment is a reset inside its recurrence, so that segment's M is zero from there
+on and the earlier segments cannot reach past it. Backward is autograd's: the gradient of each S_in flows
+through the fold into the gathered M and E, and the gather's backward sums them back to their owners.
+
+Cost per rank, per (batch, head): the summary pass on V + K value columns, one all-gather of
+(segments x K x (K + V)) values, and a fold of up to 2C - 1 (zigzag) K x K by K x V products,
+done redundantly on every rank (C is small; a ring variant could overlap it: not done).
+megatron-core's GDN CP instead all-to-alls the activations to head parallelism and back (O(s d) per rank and
+layer, heads divisible by C); this moves O(K (K + V)) per head and segment and keeps every head.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from cp_ext.linear_attention.gated_delta import segment_summary
+from cp_ext.linear_attention.segments import gather_in_sequence_order, group_size_rank, rank_segments, zeros_reading
+
+
+def fold_states(transitions: torch.Tensor, contributions: torch.Tensor,
+                count: Optional[int] = None) -> List[torch.Tensor]:
+    """The state entering each of the first ``count`` segments (all by default), from their maps in
+    sequence order: M [N, b, h, K, K], E [N, b, h, K, V]; S_in(0) = 0, S_in(j+1) = M_j S_in(j) + E_j."""
+    count = transitions.shape[0] if count is None else count
+    states = [zeros_reading(contributions, contributions.shape[1:])]  # the backward reaches the gather on every rank
+    for j in range(count - 1):
+        states.append(transitions[j] @ states[-1] + contributions[j])
+    return states
+
+
+def _previous_document_ids(document_ids, segments, group):
+    """[b] id of the token just before each local segment in global order (None for the first segment):
+    a segment whose first token starts a document must not receive the state before it."""
+    ends = torch.stack([document_ids[:, sl][:, [0, -1]] for sl in segments.slices()])  # [per, b, (first, last)]
+    every = gather_in_sequence_order(ends, group, segments)
+    return [every[j - 1, :, 1] if j > 0 else None for j in segments.ids]
+
+
+def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigzag", document_ids=None,
+                                 chunk_size: int = 64, scale: Optional[float] = None) -> torch.Tensor:
+    """The gated delta rule on this rank's shard of a CP-sharded sequence; equals `gated_delta_rule` on the
+    whole sequence (from a zero state) at this rank's positions. Returns o [b, s_local, h_v, V] in v's dtype.
+
+    q, k [b, s_local, h_k, K], v [b, s_local, h_v, V], g and beta [b, s_local, h_v]: this rank's tokens in
+    `cp_ext.token_partition`'s ``layout`` over ``group`` ("zigzag" or "contiguous"). ``document_ids``
+    [b, s_local]: this rank's ids of packed documents (the state resets wherever the id changes in global
+    order, across ranks included). Every rank of ``group`` must call it (one all-gather; two with documents).
+    """
+    size, rank = group_size_rank(group)
+    segments = rank_segments(q.shape[1], layout, rank, size)
+    previous = (_previous_document_ids(document_ids, segments, group) if document_ids is not None
+                else [None] * len(segments.ids))
+    summaries = [segment_summary(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=chunk_size,
+                                 document_ids=None if document_ids is None else document_ids[:, sl],
+                                 previous_document_id=prev, scale=scale)
+                 for sl, prev in zip(segments.slices(), previous)]
+    kd = summaries[0].transition.shape[-1]
+    # M and E side by side: one gather; [per-rank segments, b, h, K, K + V]
+    mine = torch.stack([torch.cat([s.transition, s.contribution], dim=-1) for s in summaries])
+    every = gather_in_sequence_order(mine, group, segments)
+    states = fold_states(every[..., :kd], every[..., kd:], count=max(segments.ids) + 1)
+    outs = [s.o0 + torch.einsum("bshk,bhkv->bshv", s.qtilde, states[j]) for s, j in zip(summaries, segments.ids)]
+    return torch.cat(outs, dim=1).to(v.dtype)
+
