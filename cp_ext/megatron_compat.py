@@ -16,7 +16,7 @@ row   what changed in megatron-core                since    cp_ext              
       the torch_dist files                                  `READS_EMBEDDED_COMMON_STATE`
 3     the MoE spec's mlp and experts are           0.18     `spec_parts`                           tests/test_megatron_compat.py (seats),
       ``functools.partial``, not ``ModuleSpec``                                                    every MoE model test
-4     ``MultiTokenPredictionLayerSubmodules.       0.17 /   `MTP_INNER_LAYER_FIELD`,               tests/transformer/test_mtp_roll.py,
+4     ``MultiTokenPredictionLayerSubmodules.       0.17 /   `MTP_INNER_LAYER_FIELD`,               tests/models/test_mtp_roll.py,
       transformer_layer`` -> ``mtp_model_layer``;  0.18     `MTP_EMBEDDINGS_CARRY_PADDING_MASK`    the MTP grid cases
       ``_get_embeddings`` returns the padding mask
 5     ``MLASelfAttention.__init__`` takes          0.18     the subclass passes keywords through   the MLA grid cases
