@@ -1,14 +1,20 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5-MoE) on one device, and a segment's summary for CP.
+"""The gated delta rule on one device, and a segment's summary for CP: Gated DeltaNet (Qwen3-Next, Qwen3.5-MoE)
+with a per-head decay, and Kimi Delta Attention (KDA, Kimi-Linear) with a per-key-channel decay.
 
 Owns the arithmetic of one sequence, or one segment of it, in plain torch (CPU or GPU, any float dtype,
 exact backward through autograd; no custom kernels). The convention is transformers' (5.25)
-``torch_recurrent_gated_delta_rule`` and FLA's: per batch sample and head, the state S is K x V and each token
+``torch_recurrent_gated_delta_rule`` / ``recurrent_kimi_delta_attention`` and FLA's: per batch sample and
+head, the state S is K x V and each token
 
-    S <- exp(g_t) S                              (g: log-decay, <= 0)
+    S <- exp(g_t) S                              (g: log-decay, <= 0; Diag(exp(g_t)) S for KDA's g_t [K])
     S <- S + beta_t k_t (v_t - S^T k_t)^T        (the delta rule: write the part of v_t that S misses)
     o_t = S^T q_t,   q_t already scaled by K**-0.5
 
-so S_t = A_t S_{t-1} + beta_t k_t v_t^T with A_t = (I - beta_t k_t k_t^T) exp(g_t), linear in S_{t-1}.
+so S_t = A_t S_{t-1} + beta_t k_t v_t^T with A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), linear in S_{t-1}.
+The shape of g picks the decay: [b, s, h] per head, [b, s, h, K] per channel (`cp_ext.linear_attention.kda`).
+q and k arrive L2-normalized (megatron-core normalizes them before the rule), or ``qk_l2norm=True``
+normalizes them here, after the cast to the accumulation dtype and before the scale (transformers' and
+FLA's ``use_qk_l2norm_in_kernel``, which Kimi-Linear uses).
 Packed documents reset the state: a new document starts wherever ``document_ids`` changes, and the state
 before its first token is dropped (A_t = 0 there). The state and every sum are fp32 (fp64 for fp64 inputs).
 
@@ -22,10 +28,12 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from cp_ext.linear_attention.kda import per_channel_terms
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (FLA's and transformers' q/k normalization); the rule
-    itself does not normalize (megatron-core normalizes q and k before it, as callers here should)."""
+    applies it only under ``qk_l2norm=True`` (megatron-core normalizes q and k before it)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
@@ -45,19 +53,24 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id):
-    """The inputs as the loops read them: [b, h, s, d] (g, beta: [b, h, s]) in the accumulation dtype,
-    q scaled, q/k heads repeated for grouped value heads (as transformers and megatron do), and the resets."""
+def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm=False):
+    """The inputs as the loops read them: [b, h, s, d] (g: [b, h, s] or [b, h, s, K], beta: [b, h, s]) in the
+    accumulation dtype, q and k normalized if asked, q scaled, q/k heads repeated for grouped value heads
+    (as transformers and megatron do), and the resets."""
     b, s, hk, kd = k.shape
     hv = v.shape[2]
-    if q.shape != k.shape or v.shape[:2] != (b, s) or g.shape != (b, s, hv) or beta.shape != (b, s, hv) or hv % hk:
-        raise ValueError(f"gated delta rule shapes: q, k [b, s, h_k, K], v [b, s, h_v, V], g and beta [b, s, h_v] "
-                         f"with h_k dividing h_v; got q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
-                         f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    if (q.shape != k.shape or v.shape[:2] != (b, s) or g.shape not in ((b, s, hv), (b, s, hv, kd))
+            or beta.shape != (b, s, hv) or hv % hk):
+        raise ValueError(f"gated delta rule shapes: q, k [b, s, h_k, K], v [b, s, h_v, V], g [b, s, h_v] (per head) "
+                         f"or [b, s, h_v, K] (per channel), beta [b, s, h_v], with h_k dividing h_v; got "
+                         f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} "
+                         f"beta {tuple(beta.shape)}")
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
     acc = _accum_dtype(q.dtype)
     q, k, v, g, beta = (x.transpose(1, 2).to(acc) for x in (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
     q = q * (kd ** -0.5 if scale is None else scale)
     if document_ids is None:
         resets = torch.zeros(b, s, dtype=torch.bool, device=q.device)
@@ -76,77 +89,91 @@ def _initial(state, b, h, kd, vd, like):
     return state.to(like.dtype)
 
 
+def _per_head_terms(q, k, k_beta, g, piece, linked):
+    """`kda.per_channel_terms` for a per-head g [b, h, n, C] (Gated DeltaNet): the decays are scalars per token
+    pair, so the products are plain matmuls; from_start and to_end come back [.., C, 1], through [.., 1, 1]."""
+    gamma = g.cumsum(-1)
+    # masked to -inf before exp: the pairs a cut or causality removes would otherwise overflow (gamma_j > gamma_i)
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~linked, float("-inf")).exp()
+    from_start = gamma.masked_fill(piece != 0, float("-inf")).exp()
+    to_end = (gamma[..., -1:] - gamma).masked_fill(piece != piece[..., -1:], float("-inf")).exp()
+    through = gamma[..., -1].masked_fill(piece[..., -1] != 0, float("-inf")).exp()
+    lower = (k_beta @ k.transpose(-1, -2)) * decay.tril(-1)
+    scores = (q @ k.transpose(-1, -2)) * decay  # diagonal included: o_t reads the state after token t's write
+    return lower, scores, from_start.unsqueeze(-1), to_end.unsqueeze(-1), through[..., None, None]
+
+
 def _chunked(q, k, v, g, beta, resets, state, chunk_size):
     """The chunked rule on prepared [b, h, s, *] tensors: (o [b, h, s, V], final state [b, h, K, V]).
 
-    Within a chunk, with gamma = cumsum(g) and u_j = beta_j (v_j - (exp(g_j) S_{j-1})^T k_j) the values the
-    state actually receives (FLA's "new values"):
+    Within a chunk, with gamma = cumsum(g) (per channel for a per-channel g: then exp(.) below is a diagonal
+    matrix) and u_j = beta_j (v_j - (exp(g_j) S_{j-1})^T k_j) the values the state actually receives (FLA's
+    "new values"):
         S_i = a_i S0 + sum_{j<=i} L_ij k_j u_j^T,  L_ij = exp(gamma_i - gamma_j),  a_i = exp(gamma_i)
-    so (I + A) U = beta V - (beta a k) S0 with A_jl = beta_j L_jl k_j.k_l (l < j): one unit-triangular
+    so (I + A) U = beta V - (beta a k) S0 with A_jl = beta_j k_j^T L_jl k_l (l < j): one unit-triangular
     solve per chunk for both right-hand sides (the UT transform). A document start cuts every decay that
     crosses it: L_ij = 0 across it, a_i = 0 after it, and the chunk passes none of S0 on if one lies in it.
-    Only the loop over chunks is sequential; the per-chunk matrices are built for all chunks at once.
+    Only the loop over chunks is sequential; the per-chunk matrices are built for all chunks at once
+    (`_per_head_terms`, `kda.per_channel_terms`).
     """
     b, h, s, kd = k.shape
     n = -(-s // chunk_size)
     pad = n * chunk_size - s
     # Padding tokens are inert: beta 0 writes nothing, g 0 decays nothing, so the final state is exact.
     q, k, v = (F.pad(x, (0, 0, 0, pad)).reshape(b, h, n, chunk_size, -1) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)).reshape(b, h, n, chunk_size) for x in (g, beta))
+    per_channel = g.dim() == 4
+    g = F.pad(g, (0, 0) * per_channel + (0, pad)).reshape(b, h, n, chunk_size, *g.shape[3:])
+    beta = F.pad(beta, (0, pad)).reshape(b, h, n, chunk_size)
     # piece: the document starts in its chunk up to and including the token (0: the chunk's incoming state reaches it)
     piece = F.pad(resets.to(torch.int32), (0, pad)).reshape(b, 1, n, chunk_size).cumsum(-1)
-    gamma = g.cumsum(-1)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     linked = causal & (piece.unsqueeze(-1) == piece.unsqueeze(-2))
-    # masked to -inf before exp: the pairs a cut or causality removes would otherwise overflow (gamma_j > gamma_i)
-    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~linked, float("-inf")).exp()
-    from_start = gamma.masked_fill(piece != 0, float("-inf")).exp()
-    to_end = (gamma[..., -1:] - gamma).masked_fill(piece != piece[..., -1:], float("-inf")).exp()
-    through = gamma[..., -1].masked_fill(piece[..., -1] != 0, float("-inf")).exp()
-
     k_beta = k * beta.unsqueeze(-1)
+    terms = per_channel_terms if per_channel else _per_head_terms
+    lower, scores, from_start, to_end, through = terms(q, k, k_beta, g, piece, linked)
+
     # unitriangular=True: the solve reads only the strictly lower part and takes the diagonal as 1 (I + A)
-    lower = (k_beta @ k.transpose(-1, -2)) * decay.tril(-1)
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * from_start.unsqueeze(-1)], dim=-1)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * from_start], dim=-1)
     solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
     new_values, k_decayed = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
-    scores = (q @ k.transpose(-1, -2)) * decay  # diagonal included: o_t reads the state after token t's write
-    q_start, k_end = q * from_start.unsqueeze(-1), k * to_end.unsqueeze(-1)
+    q_start, k_end = q * from_start, k * to_end
 
     outs = []
     for i in range(n):
         u = new_values[:, :, i] - k_decayed[:, :, i] @ state
         outs.append(q_start[:, :, i] @ state + scores[:, :, i] @ u)
-        state = state * through[:, :, i, None, None] + k_end[:, :, i].transpose(-1, -2) @ u
+        state = state * through[:, :, i] + k_end[:, :, i].transpose(-1, -2) @ u
     return torch.stack(outs, dim=2).reshape(b, h, n * chunk_size, -1)[:, :, :s], state
 
 
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64, document_ids=None,
-                     previous_document_id=None, scale: Optional[float] = None):
+                     previous_document_id=None, scale: Optional[float] = None, qk_l2norm: bool = False):
     """The gated delta rule, chunked: (o [b, s, h_v, V] in v's dtype, final state [b, h_v, K, V] fp32/fp64).
 
-    q, k: [b, s, h_k, K]; v: [b, s, h_v, V]; g (log-decay), beta: [b, s, h_v]; ``scale`` defaults to K**-0.5.
+    q, k: [b, s, h_k, K]; v: [b, s, h_v, V]; beta: [b, s, h_v]; g (log-decay): [b, s, h_v] (Gated DeltaNet)
+    or [b, s, h_v, K] (KDA); ``scale`` defaults to K**-0.5; ``qk_l2norm``: normalize q and k first.
     ``document_ids`` [b, s]: packed documents, the state resets where the id changes (see `document_resets`
     for the first token and ``previous_document_id``). Any s: the last chunk is padded with inert tokens.
     """
     out_dtype = v.dtype
-    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id)
+    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm)
     b, h, _, kd = k.shape
     o, state = _chunked(q, k, v, g, beta, resets, _initial(initial_state, b, h, kd, v.shape[-1], q), chunk_size)
     return o.transpose(1, 2).to(out_dtype), state
 
 
 def gated_delta_recurrent(q, k, v, g, beta, *, initial_state=None, document_ids=None, previous_document_id=None,
-                          scale: Optional[float] = None):
+                          scale: Optional[float] = None, qk_l2norm: bool = False):
     """The same rule token by token (the reference the chunked form is tested against; O(s) small steps)."""
     out_dtype = v.dtype
-    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id)
+    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm)
     b, h, s, kd = k.shape
     state = _initial(initial_state, b, h, kd, v.shape[-1], q)
     outs = []
     for t in range(s):
-        keep = g[:, :, t].exp().masked_fill(resets[:, t, None], 0.0)  # a document start drops the state
-        state = state * keep[..., None, None]
+        decay = g[:, :, t] if g.dim() == 4 else g[:, :, t, None]  # [b, h, K or 1]: a row of the state each
+        keep = decay.exp().masked_fill(resets[:, t, None, None], 0.0)  # a document start drops the state
+        state = state * keep[..., None]
         delta = beta[:, :, t, None] * (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2))
         state = state + k[:, :, t, :, None] * delta[..., None, :]
         outs.append((state * q[:, :, t, :, None]).sum(-2))
@@ -164,16 +191,16 @@ class SegmentSummary(NamedTuple):
 
 
 def segment_summary(q, k, v, g, beta, *, chunk_size: int = 64, document_ids=None, previous_document_id=None,
-                    scale: Optional[float] = None) -> SegmentSummary:
+                    scale: Optional[float] = None, qk_l2norm: bool = False) -> SegmentSummary:
     """`SegmentSummary` of one segment, exact and differentiable, from one chunked pass.
 
     The rule is linear in the state column by column, with every column seeing the same A_t. So the
     pass runs with v widened by K zero columns and the initial state [0 | I]: the first V columns are
     the zero-state run (o0, E); the other K carry the identity through the transitions, giving
     M = A_s ... A_1 I as the final state and M_t^T q_t (= Qtilde's rows) as the outputs. Cost: the
-    per-chunk products run on V + K columns instead of V.
+    per-chunk products run on V + K columns instead of V. Per-head or per-channel g alike (A_t's decay).
     """
-    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id)
+    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm)
     b, h, s, kd = k.shape
     vd = v.shape[-1]
     widened = torch.cat([v, v.new_zeros(b, h, s, kd)], dim=-1)

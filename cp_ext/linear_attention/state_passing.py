@@ -1,4 +1,5 @@
-"""The gated delta rule under context parallelism by exact state passing: the CP op and its fold.
+"""The gated delta rule (Gated DeltaNet or KDA) under context parallelism by exact state passing: the CP op
+and its fold.
 
 Each rank runs each of its segments from a zero state (`cp_ext.linear_attention.gated_delta.segment_summary`):
 outputs o0, the propagated queries Qtilde, and the segment's affine map on the state, S_out = M S_in + E.
@@ -44,12 +45,14 @@ def _previous_document_ids(document_ids, segments, group):
 
 
 def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigzag", document_ids=None,
-                                 chunk_size: int = 64, scale: Optional[float] = None) -> torch.Tensor:
+                                 chunk_size: int = 64, scale: Optional[float] = None,
+                                 qk_l2norm: bool = False) -> torch.Tensor:
     """The gated delta rule on this rank's shard of a CP-sharded sequence; equals `gated_delta_rule` on the
     whole sequence (from a zero state) at this rank's positions. Returns o [b, s_local, h_v, V] in v's dtype.
 
-    q, k [b, s_local, h_k, K], v [b, s_local, h_v, V], g and beta [b, s_local, h_v]: this rank's tokens in
-    `cp_ext.token_partition`'s ``layout`` over ``group`` ("zigzag" or "contiguous"). ``document_ids``
+    q, k [b, s_local, h_k, K], v [b, s_local, h_v, V], beta [b, s_local, h_v], g [b, s_local, h_v] (Gated
+    DeltaNet) or [b, s_local, h_v, K] (KDA): this rank's tokens in `cp_ext.token_partition`'s ``layout``
+    over ``group`` ("zigzag" or "contiguous"); ``scale``, ``qk_l2norm``: `gated_delta_rule`'s. ``document_ids``
     [b, s_local]: this rank's ids of packed documents (the state resets wherever the id changes in global
     order, across ranks included). Every rank of ``group`` must call it (one all-gather; two with documents).
     """
@@ -59,7 +62,7 @@ def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigz
                 else [None] * len(segments.ids))
     summaries = [segment_summary(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=chunk_size,
                                  document_ids=None if document_ids is None else document_ids[:, sl],
-                                 previous_document_id=prev, scale=scale)
+                                 previous_document_id=prev, scale=scale, qk_l2norm=qk_l2norm)
                  for sl, prev in zip(segments.slices(), previous)]
     kd = summaries[0].transition.shape[-1]
     # M and E side by side: one gather; [per-rank segments, b, h, K, K + V]

@@ -1,10 +1,11 @@
 """What the linear-attention tests share: seeded inputs, packed documents, and transformers' rule in float64.
 
 `inputs` draws the same full-sequence tensors on every rank (float64 leaves: q and k L2-normalized as
-Qwen3-Next feeds them, g = -softplus(.) <= 0, beta in (0, 1)); `documents` the packed-document ids the
-CP cases need (a start exactly at a segment boundary, a 1-token document, documents over several
-segments); `hf_float64` transformers' torch fallbacks with their fp32 casts turned into fp64 (their
-algorithm, untouched otherwise), so they can be compared at 1e-10.
+Qwen3-Next feeds them, g = -softplus(.) <= 0 per head or, for KDA, per key channel, beta in (0, 1));
+`documents` the packed-document ids the CP cases need (a start exactly at a segment boundary, a 1-token
+document, documents over several segments); `hf_float64` transformers' torch fallbacks (Qwen3-Next's and
+Kimi-Linear's) with their fp32 casts turned into fp64 (their algorithm, untouched otherwise), so they can
+be compared at 1e-10.
 """
 
 import ast
@@ -14,8 +15,9 @@ import zlib
 TENSORS = ("out", "dq", "dk", "dv", "dg", "dbeta")
 
 
-def inputs(b, s, hk, hv, kd, vd, seed):
-    """{q, k, v, g, beta, dout} of the full sequence, float64, seeded by ``seed``."""
+def inputs(b, s, hk, hv, kd, vd, seed, per_channel=False):
+    """{q, k, v, g, beta, dout} of the full sequence, float64, seeded by ``seed``; g [b, s, hv] or, with
+    ``per_channel`` (KDA), [b, s, hv, kd] with a spread of decay rates across channels."""
     import torch
     import torch.nn.functional as F
 
@@ -24,7 +26,8 @@ def inputs(b, s, hk, hv, kd, vd, seed):
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     return dict(q=l2norm(randn(b, s, hk, kd)), k=l2norm(randn(b, s, hk, kd)), v=randn(b, s, hv, vd),
-                g=-F.softplus(randn(b, s, hv) - 1.0), beta=torch.sigmoid(randn(b, s, hv)), dout=randn(b, s, hv, vd))
+                g=-F.softplus(randn(b, s, hv, kd) * 1.5 - 1.0) if per_channel else -F.softplus(randn(b, s, hv) - 1.0),
+                beta=torch.sigmoid(randn(b, s, hv)), dout=randn(b, s, hv, vd))
 
 
 def documents(b, s, segment):
@@ -46,17 +49,23 @@ def seed_of(name):
     return zlib.crc32(name.encode()) % 10_000
 
 
-def hf_float64(name):
-    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` computing in
-    float64: its source with ``torch.float32`` -> ``torch.float64``, run in its own module's namespace."""
-    import transformers.models.qwen3_next.modeling_qwen3_next as hf
+def hf_float64(name, model="qwen3_next"):
+    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (``model``
+    qwen3_next) or ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (kimi_linear) computing
+    in float64: its source with ``torch.float32`` -> ``torch.float64`` and ``.float()`` -> ``.double()``, run
+    in its own module's namespace."""
+    import importlib
 
+    hf = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
     module_source = inspect.getsource(hf)  # the name is a kernel-hub wrapper (an nn.Module): read the def itself
     node = next(n for n in ast.parse(module_source).body if isinstance(n, ast.FunctionDef) and n.name == name)
     source = ast.get_source_segment(module_source, node)  # without its decorator, which would swap kernels in
-    assert source.count("torch.float32") == 1, "transformers' fallback changed: re-check this rewrite"
+    changed = "transformers' fallback changed: re-check this rewrite"
+    assert source.count("torch.float32") == 1 and source.count(".float()") <= 1, changed
+    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    assert "float32" not in source and ".float(" not in source and ".half(" not in source, changed
     namespace = dict(vars(hf))
-    exec(compile(source.replace("torch.float32", "torch.float64"), f"<{name} in float64>", "exec"), namespace)
+    exec(compile(source, f"<{name} in float64>", "exec"), namespace)
     return namespace[name]
 
 

@@ -1,16 +1,18 @@
-"""The gated delta rule and its causal conv under context parallelism against the float64 whole sequence.
+"""The gated delta rule (Gated DeltaNet's per-head decay and KDA's per-channel one) and its causal conv under
+context parallelism against the float64 whole sequence.
 
 Worker (one launch of 4 gloo ranks runs every case): every rank draws the same seeded full-sequence
 inputs, computes the float64 truth on the whole sequence (`gated_delta_rule`, whose equality with the
-recurrence and with transformers is tests/linear_attention/test_gated_delta.py's) and the single-device
+recurrence and with transformers is test_gated_delta.py's and test_kda.py's) and the single-device
 error of the case's dtype, then runs the CP op on its shard (CP2: the pairs [0, 1] and [2, 3]; CP4: the
 world) and records the max abs error of the output and of every input's gradient at its positions.
 
 Bounds (max over ranks): fp32: CP error <= 2 x the single-device fp32 error + FLOOR x max|truth| (the fold
 adds a few fp32 products of the same size as the chunk loop's own); fp64: <= 1e-10 (the algebra exactly).
 Shapes: segments that are not multiples of the chunk (CP4 zigzag, 40 tokens, chunk 8: 5-token segments),
-documents starting exactly at a segment boundary, 1-token documents, documents over several ranks; the
-conv with kernel 4 on 2-token segments (each halo spans two segments, on two ranks), and its gradients.
+documents starting exactly at a segment boundary, 1-token documents, documents over several ranks;
+KDA (g [b, s, h, K]) at CP2 and CP4, zigzag and contiguous, with documents; the conv with kernel 4 on
+2-token segments (each halo spans two segments, on two ranks), and its gradients.
 """
 
 import sys
@@ -36,18 +38,21 @@ def _cases():
             cases.append(dict(kind="gdn", cp=cp, layout=layout, s=s, chunk=chunk, dtype=dtype, docs=True, hk=2))
     cases.append(dict(kind="gdn", cp=4, layout="zigzag", s=48, chunk=4, dtype="fp32", docs=False, hk=1))  # GVA
     cases.append(dict(kind="gdn", cp=2, layout="contiguous", s=130, chunk=64, dtype="fp32", docs=False, hk=2))
+    for cp, layout, s in [(4, "zigzag", 40), (4, "contiguous", 40), (2, "zigzag", 44), (2, "contiguous", 44)]:
+        for dtype in ("fp32", "fp64"):
+            cases.append(dict(kind="kda", cp=cp, layout=layout, s=s, chunk=8, dtype=dtype, docs=True, hk=2))
     for cp, layout, s in [(4, "zigzag", 16), (4, "contiguous", 8), (2, "zigzag", 20), (2, "contiguous", 20)]:
         for dtype in ("fp32", "fp64"):
             cases.append(dict(kind="conv", cp=cp, layout=layout, s=s, dtype=dtype, docs=True))
     for c in cases:
-        what = f"c{c['chunk']}-hk{c['hk']}" if c["kind"] == "gdn" else "w4"
+        what = "w4" if c["kind"] == "conv" else f"c{c['chunk']}-hk{c['hk']}"
         c["name"] = (f"{c['kind']}-cp{c['cp']}-{c['layout']}-s{c['s']}-{what}-{c['dtype']}"
                      f"{'-docs' if c['docs'] else ''}")
     return cases
 
 
 CASES = _cases()
-QUICK = "gdn-cp4-zigzag-s40-c8-hk2-fp32-docs"
+QUICK = ["gdn-cp4-zigzag-s40-c8-hk2-fp32-docs", "kda-cp4-zigzag-s40-c8-hk2-fp32-docs"]
 
 
 # ----------------------------------------------------------------------------- worker
@@ -77,10 +82,11 @@ def _report(truth, single, cp, names, positions, sequence_tensors):
                 scale={n: r.abs().max().item() for n, r in zip(names, truth)})
 
 
-def _gdn_case(case, group, positions):
+def _rule_case(case, group, positions):
+    """A gated delta rule case: Gated DeltaNet ("gdn", g per head) or KDA ("kda", g per key channel)."""
     from cp_ext.linear_attention import context_parallel_gated_delta, gated_delta_rule
 
-    x = inputs(2, case["s"], case["hk"], 2, 8, 6, seed_of(case["name"]))
+    x = inputs(2, case["s"], case["hk"], 2, 8, 6, seed_of(case["name"]), per_channel=case["kind"] == "kda")
     ids = documents(2, case["s"], _segment_len(case)) if case["docs"] else None
     full = [x[n] for n in ("q", "k", "v", "g", "beta")]
     shard = lambda t: t.index_select(1, positions)  # noqa: E731
@@ -140,7 +146,7 @@ def main():
         group = groups[case["cp"]]
         positions = context_parallel_positions(case["s"], ring_rank=dist.get_rank(group), ring_size=case["cp"],
                                                layout=case["layout"])
-        results[case["name"]] = (_gdn_case if case["kind"] == "gdn" else _conv_case)(case, group, positions)
+        results[case["name"]] = (_conv_case if case["kind"] == "conv" else _rule_case)(case, group, positions)
     write_results(args.results_dir, results)
     dist.destroy_process_group()
 
@@ -148,13 +154,13 @@ def main():
 # ----------------------------------------------------------------------------- pytest
 @pytest.fixture(scope="module")
 def results(quick):
-    return launch(__file__, NPROC, cases=[QUICK] if quick else None, timeout=300)  # a hang: stacks after 5 min
+    return launch(__file__, NPROC, cases=QUICK if quick else None, timeout=300)  # a hang: stacks after 5 min
 
 
-@pytest.mark.parametrize("case", case_params(CASES, quick=[QUICK]))
+@pytest.mark.parametrize("case", case_params(CASES, quick=QUICK))
 def test_cp_matches_float64_whole_sequence(results, case):
     name = case["name"]
-    for tensor in (TENSORS if case["kind"] == "gdn" else CONV_TENSORS):
+    for tensor in (CONV_TENSORS if case["kind"] == "conv" else TENSORS):
         cp = max(res[name]["cp"][tensor] for res in results.values())
         if case["dtype"] == "fp64":
             assert cp <= EXACT, (tensor, cp)
