@@ -1,0 +1,264 @@
+"""Gated DeltaNet (Qwen3-Next's linear-attention mixer) as a megatron-core module, in megatron-core 0.19's
+parameter layout, exact under context parallelism by state passing (`cp_ext.linear_attention`).
+
+The parameters carry megatron-core 0.19's names and shapes (``megatron/core/ssm/gated_delta_net``), so a state
+dict moves between this module and megatron's ``GatedDeltaNet`` by name, per TP rank:
+
+=================  ===================================================================================
+``in_proj.weight``  [(2 H_k K + 2 H_v V + 2 H_v) / TP, hidden]: megatron's `ColumnParallelLinear`. Each TP
+                    rank's rows are its own [q | k | v | z | b | a] (its H_k / TP key heads' q and k, its
+                    H_v / TP value heads' v, z, beta logit b and decay input a), heads in order: at TP = 1
+                    the whole [q | k | v | z | b | a]; at TP = t, rank r holds rows r/t of each section,
+                    concatenated (megatron's ``in_proj_split_sections``, which its distributed checkpoint
+                    saves as separate query/key/value/z/beta/alpha tensors).
+``conv1d.weight``   [(2 H_k K + H_v V) / TP, 1, w]: the depthwise causal conv over this rank's [q | k | v]
+                    channels (kernel ``linear_conv_kernel_dim``, no bias, as megatron's default).
+``dt_bias``         [H_v / TP]; ``A_log`` [H_v / TP]: g = -exp(A_log) * softplus(a + dt_bias).
+``out_norm.weight`` [V]: the gated RMSNorm over each value head, replicated over TP. Its gain is the weight
+                    itself (transformers' ``Qwen3NextRMSNormGated``, megatron's norm without zero-centered
+                    gamma); with ``config.layernorm_zero_centered_gamma`` it is 1 + weight, as megatron's
+                    TENorm built from that config reads it.
+``out_proj.weight`` [hidden, H_v V / TP]: megatron's `RowParallelLinear` (input parallel).
+=================  ===================================================================================
+
+There is no input layer norm here: megatron's TE spec fuses the layer's pre-norm into ``in_proj``
+(``in_proj.layer_norm_weight``); with the local linear layers it is the layer's ``input_layernorm``.
+
+Forward, on megatron's [s, b, hidden] (this rank's CP shard in cp_ext's layout; the sequence-parallel shard
+under ``config.sequence_parallel``, which megatron's linear layers gather and reduce-scatter): in_proj ->
+the causal conv of [q | k | v] with SiLU (its halo from the CP ranks before, `context_parallel_causal_conv1d`)
+-> q, k L2-normalized in the rule -> g and beta = sigmoid(b) -> the gated delta rule
+(`context_parallel_gated_delta` over this layer's CP group; the plain rule at CP = 1) -> the gated RMSNorm
+with SiLU(z) -> out_proj. Returns (output, bias) as megatron's attention modules do. Packed documents: the
+document ids [b, s_local] in ``attention_mask``'s seat (as `cp_ext.transformer.attention.CoreAttention`
+takes them) or ``document_ids=``: the conv and the state reset at every document start.
+
+megatron's GDN applies ``config.activation_func`` in the conv and the output gate (SiLU for Qwen3-Next's
+SwiGLU configs); this module applies SiLU whatever the config's MLP activation is. Ring layouts only
+(zigzag, contiguous): not Ulysses, not dynamic CP. The hyperparameters are keyword arguments with megatron's
+config field names, because megatron-core 0.16.1's TransformerConfig lacks those fields.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
+                                     gated_delta_rule)
+from cp_ext.transformer.attention import _document_ids
+from cp_ext.transformer.dynamic_cp import dynamic_params
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim times SiLU(gate): megatron's GDN ``out_norm`` followed by its output gate.
+
+    The norm runs in fp32 (fp64 for fp64 inputs), the gain is ``weight`` (1 + ``weight`` when zero-centered),
+    and the result returns in x's dtype (transformers' ``Qwen3NextRMSNormGated``, megatron's
+    ``_apply_gated_norm``)."""
+
+    def __init__(self, hidden_size: int, eps: float, zero_centered_gamma: bool = False, dtype=None, device=None):
+        super().__init__()
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype, device=device))
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight  # the TP-reducing view of the weight (see the caller)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(acc)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        gain = weight.to(acc) + 1 if self.zero_centered_gamma else weight.to(acc)
+        return (normed * gain * F.silu(gate.to(acc))).to(x.dtype)
+
+
+def _check(config, kernel, key_dim, value_dim, key_heads, value_heads):
+    tp = config.tensor_model_parallel_size
+    problems = []
+    for flag, value in (("--linear-conv-kernel-dim", kernel), ("--linear-key-head-dim", key_dim),
+                        ("--linear-value-head-dim", value_dim), ("--linear-num-key-heads", key_heads),
+                        ("--linear-num-value-heads", value_heads)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{flag} must be a positive integer, got {value!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    for flag, heads in (("--linear-num-key-heads", key_heads), ("--linear-num-value-heads", value_heads)):
+        if heads % tp:
+            problems.append(f"{flag} ({heads}) must be divisible by --tensor-model-parallel-size ({tp})")
+    if value_heads % key_heads:
+        problems.append(f"--linear-num-value-heads ({value_heads}) must be a multiple of --linear-num-key-heads "
+                        f"({key_heads}): each key head serves a group of value heads")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _cp_group_and_layout(config):
+    """(group, layout) of this layer's CP (None at CP = 1): megatron's CP group, which is cp_ext's ring group
+    when cp_ext's sub-groups exist (they must have no Ulysses part: the rule needs a ring layout)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None, None
+    from cp_ext import parallel_state as cp_state
+
+    group = parallel_state.get_context_parallel_group()
+    try:
+        ulysses, group = cp_state.get_ulysses_world_size(), cp_state.get_ring_group()
+    except RuntimeError:  # cp_ext's sub-groups not built: megatron's CP group is the ring
+        ulysses = 1
+    if ulysses != 1:
+        raise NotImplementedError("Gated DeltaNet under CP passes states along a ring layout (zigzag or contiguous); "
+                                  f"it does not support Ulysses (--ulysses-degree {ulysses})")
+    return group, getattr(config, "cp_layout", "zigzag")
+
+
+class GatedDeltaNet(MegatronModule):
+    """Qwen3-Next's Gated DeltaNet mixer with megatron-core 0.19's parameters (see the module docstring)."""
+
+    def __init__(self, config: TransformerConfig, *, linear_conv_kernel_dim: int, linear_key_head_dim: int,
+                 linear_value_head_dim: int, linear_num_key_heads: int, linear_num_value_heads: int,
+                 layer_number: int = 1):
+        super().__init__(config=config)
+        _check(config, linear_conv_kernel_dim, linear_key_head_dim, linear_value_head_dim, linear_num_key_heads,
+               linear_num_value_heads)
+        tp = config.tensor_model_parallel_size
+        self.layer_number = layer_number
+        self.conv_kernel_dim = linear_conv_kernel_dim
+        self.key_head_dim, self.value_head_dim = linear_key_head_dim, linear_value_head_dim
+        self.num_key_heads, self.num_value_heads = linear_num_key_heads, linear_num_value_heads
+        self.key_heads_local, self.value_heads_local = linear_num_key_heads // tp, linear_num_value_heads // tp
+        qk_dim, v_dim = linear_key_head_dim * linear_num_key_heads, linear_value_head_dim * linear_num_value_heads
+        self.qk_dim_local, self.v_dim_local = qk_dim // tp, v_dim // tp
+        # megatron's in_proj_split_sections: this TP rank's [q | k | v | z | b | a]
+        self.in_proj_split_sections = (self.qk_dim_local, self.qk_dim_local, self.v_dim_local, self.v_dim_local,
+                                       self.value_heads_local, self.value_heads_local)
+        self.in_proj = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 2 * qk_dim + 2 * v_dim + 2 * linear_num_value_heads, config=config,
+            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name="fc1")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        conv_dim_local = 2 * self.qk_dim_local + self.v_dim_local
+        self.conv1d = torch.nn.Conv1d(conv_dim_local, conv_dim_local, kernel_size=linear_conv_kernel_dim,
+                                      groups=conv_dim_local, padding=linear_conv_kernel_dim - 1, bias=False,
+                                      device=device, dtype=config.params_dtype)
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.value_heads_local, dtype=config.params_dtype, device=device))
+        self.A_log = torch.nn.Parameter(torch.zeros(self.value_heads_local, dtype=config.params_dtype, device=device))
+        for param in (self.conv1d.weight, self.dt_bias, self.A_log):  # split over TP along dim 0, as megatron's
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+        self.out_norm = GatedRMSNorm(linear_value_head_dim, config.layernorm_epsilon,
+                                     zero_centered_gamma=config.layernorm_zero_centered_gamma,
+                                     dtype=config.params_dtype, device=device)
+        self.out_proj = tensor_parallel.RowParallelLinear(
+            v_dim, config.hidden_size, config=config, init_method=config.output_layer_init_method, bias=False,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2")
+        if config.perform_initialization:  # megatron's: dt_bias 1, A uniform in [1, 16] on the TP rank's stream
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                self.A_log.data.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                document_ids: Optional[torch.Tensor] = None, inference_context=None, packed_seq_params=None,
+                **kwargs):
+        """[s_local, b, hidden] -> (output [s_local, b, hidden], None); ``kwargs``: what megatron's
+        TransformerLayer passes its self-attention (rotary embeddings and the like), unused."""
+        if inference_context is not None or kwargs.get("inference_params") is not None:
+            raise NotImplementedError("cp_ext's Gated DeltaNet has no inference cache")
+        if dynamic_params(packed_seq_params) is not None:
+            raise NotImplementedError("cp_ext's Gated DeltaNet does not run under dynamic CP (per-document zigzag)")
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
+        s, b = qkvzba.shape[:2]
+        if document_ids is None:
+            document_ids = _document_ids(attention_mask, b, s, qkvzba.device)
+        qkvzba = qkvzba.transpose(0, 1)  # [b, s, .]
+        q, k, v, z, beta_logit, a = torch.split(qkvzba, self.in_proj_split_sections, dim=-1)
+        group, layout = _cp_group_and_layout(self.config)
+        qkv = torch.cat([q, k, v], dim=-1)
+        if group is None:
+            w = self.conv_kernel_dim
+            ids = None if document_ids is None else F.pad(document_ids, (w - 1, 0), value=-1)
+            qkv = causal_conv1d(F.pad(qkv, (0, 0, w - 1, 0)), self.conv1d.weight, self.conv1d.bias,
+                                document_ids=ids, activation="silu")
+        else:
+            qkv = context_parallel_causal_conv1d(qkv, self.conv1d.weight, self.conv1d.bias, group=group,
+                                                 layout=layout, document_ids=document_ids, activation="silu")
+        q, k, v = torch.split(qkv, [self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
+        q = q.reshape(b, s, self.key_heads_local, self.key_head_dim)
+        k = k.reshape(b, s, self.key_heads_local, self.key_head_dim)
+        v = v.reshape(b, s, self.value_heads_local, self.value_head_dim)
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32  # megatron: g in fp32
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
+        beta = beta_logit.sigmoid()
+        if group is None:
+            o = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)[0]
+        else:
+            o = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
+                                             document_ids=document_ids, qk_l2norm=True)
+        # out_norm's weight is replicated over TP but each rank normalizes its own heads: the copy's backward
+        # sums its gradient over TP, so every TP rank holds the whole gradient (with or without SP).
+        norm_weight = self.out_norm.weight
+        if self.config.tensor_model_parallel_size > 1:
+            norm_weight = tensor_parallel.copy_to_tensor_model_parallel_region(norm_weight)
+        o = self.out_norm(o, z.reshape(b, s, self.value_heads_local, self.value_head_dim), norm_weight)
+        out, bias = self.out_proj(o.reshape(b, s, self.v_dim_local).transpose(0, 1))
+        return out, bias
+
+
+# --- transformers <-> megatron names and layouts (the core of a future Hugging Face adapter) -------------
+
+def hf_to_megatron_state_dict(hf: dict, *, linear_num_key_heads: int, linear_num_value_heads: int,
+                              linear_key_head_dim: int, linear_value_head_dim: int,
+                              zero_centered_gamma: bool = False) -> dict:
+    """transformers' ``Qwen3NextGatedDeltaNet`` state dict (names relative to the layer: ``in_proj_qkvz.weight``,
+    ``in_proj_ba.weight``, ``conv1d.weight``, ``dt_bias``, ``A_log``, ``norm.weight``, ``out_proj.weight``) ->
+    megatron-core 0.19's GDN (and this module's) at TP = 1.
+
+    transformers groups ``in_proj_qkvz``'s rows by key head g: [q_g (K) | k_g (K) | v_g (r V) | z_g (r V)]
+    with r = H_v / H_k value heads per key head, and ``in_proj_ba``'s as [b_g (r) | a_g (r)]; megatron's
+    ``in_proj`` is [q | k | v | z | b | a], each section in head order (value head g r + j is the j-th of
+    group g in both). ``conv1d`` already runs over [q | k | v] in that order in both. The gated norm's gain is
+    ``norm.weight`` in transformers: the same tensor, less 1 for a zero-centered megatron norm."""
+    hk, hv, kd, vd = linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim
+    r = hv // hk
+    qkvz = hf["in_proj_qkvz.weight"]
+    hidden = qkvz.shape[-1]
+    q, k, v, z = torch.split(qkvz.reshape(hk, 2 * kd + 2 * r * vd, hidden), [kd, kd, r * vd, r * vd], dim=1)
+    b, a = torch.split(hf["in_proj_ba.weight"].reshape(hk, 2 * r, hidden), [r, r], dim=1)
+    in_proj = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)])
+    norm = hf["norm.weight"] - 1 if zero_centered_gamma else hf["norm.weight"]
+    return {"in_proj.weight": in_proj, "conv1d.weight": hf["conv1d.weight"], "dt_bias": hf["dt_bias"],
+            "A_log": hf["A_log"], "out_norm.weight": norm, "out_proj.weight": hf["out_proj.weight"]}
+
+
+def megatron_to_hf_state_dict(sd: dict, *, linear_num_key_heads: int, linear_num_value_heads: int,
+                              linear_key_head_dim: int, linear_value_head_dim: int,
+                              zero_centered_gamma: bool = False) -> dict:
+    """The inverse of `hf_to_megatron_state_dict` (a TP = 1 megatron state dict to transformers' names)."""
+    hk, hv, kd, vd = linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim
+    r = hv // hk
+    w = sd["in_proj.weight"]
+    hidden = w.shape[-1]
+    q, k, v, z, b, a = torch.split(w, [hk * kd, hk * kd, hv * vd, hv * vd, hv, hv])
+    qkvz = torch.cat([q.reshape(hk, kd, hidden), k.reshape(hk, kd, hidden), v.reshape(hk, r * vd, hidden),
+                      z.reshape(hk, r * vd, hidden)], dim=1).reshape(-1, hidden)
+    ba = torch.cat([b.reshape(hk, r, hidden), a.reshape(hk, r, hidden)], dim=1).reshape(-1, hidden)
+    norm = sd["out_norm.weight"] + 1 if zero_centered_gamma else sd["out_norm.weight"]
+    return {"in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": ba, "conv1d.weight": sd["conv1d.weight"],
+            "dt_bias": sd["dt_bias"], "A_log": sd["A_log"], "norm.weight": norm, "out_proj.weight": sd["out_proj.weight"]}
+
+
+def tp_shard_state_dict(sd: dict, tp_rank: int, tp_size: int, *, linear_num_key_heads: int,
+                        linear_num_value_heads: int, linear_key_head_dim: int, linear_value_head_dim: int) -> dict:
+    """TP rank ``tp_rank``'s part of a TP = 1 state dict (also of its gradients), as megatron shards its GDN:
+    ``in_proj`` rows r/t of each of [q | k | v | z | b | a], ``conv1d`` channels r/t of each of [q | k | v],
+    ``dt_bias`` / ``A_log`` entries r/t, ``out_proj`` columns r/t; ``out_norm`` whole."""
+    qk, v = linear_num_key_heads * linear_key_head_dim, linear_num_value_heads * linear_value_head_dim
+    hv = linear_num_value_heads
+
+    def part(t, sections, dim=0):
+        return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in torch.split(t, sections, dim=dim)], dim=dim)
+
+    return {"in_proj.weight": part(sd["in_proj.weight"], [qk, qk, v, v, hv, hv]),
+            "conv1d.weight": part(sd["conv1d.weight"], [qk, qk, v]),
+            "dt_bias": part(sd["dt_bias"], [hv]), "A_log": part(sd["A_log"], [hv]),
+            "out_norm.weight": sd["out_norm.weight"], "out_proj.weight": part(sd["out_proj.weight"], [v], dim=1)}
