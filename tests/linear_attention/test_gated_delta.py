@@ -90,8 +90,11 @@ def test_documents_reset_the_state(s, chunk):
     assert (ids[0, chunk + 3] != ids[0, chunk + 2]) and (ids[0, chunk + 4] != ids[0, chunk + 3])  # a 1-token document
 
 
-def test_gradients_equal_the_recurrence():
-    x = inputs(2, 45, 1, 2, 8, 6, seed=7)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated_deltanet", "kda"])
+def test_gradients_equal_the_recurrence(per_channel):
+    """float64 gradients of the chunked rule equal the token-by-token recurrence's, for Gated DeltaNet's
+    per-head decay and KDA's per-channel one (dg then [b, s, h, K])."""
+    x = inputs(2, 45, 1, 2, 8, 6, seed=7, per_channel=per_channel)
     ids = documents(2, 45, 8)
     state0 = torch.randn(2, 2, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     grads = []
@@ -104,6 +107,7 @@ def test_gradients_equal_the_recurrence():
     for name, a, b in zip(RULE_ARGS + ("initial_state",), *grads):
         assert max_err(a, b) < EXACT, name
         assert a.abs().max() > 1e-3, name  # a real gradient, not zeros on both sides
+    assert grads[0][3].shape == ((2, 45, 2, 8) if per_channel else (2, 45, 2))  # dg: per channel, or per head
 
 
 def _run_from(x, state, ids, prev, chunk):
