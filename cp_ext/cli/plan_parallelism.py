@@ -134,7 +134,7 @@ def _shape_from_trainer_flags(p, args, flags) -> ModelShape:
 
     try:
         # the plan is for the cluster's GPUs, not this host's: validate as on a CUDA host
-        # (as tests/arguments/test_arguments.py does for the bundled configs)
+        # (as tests/arguments/test_yaml_config.py does for the bundled configs)
         with mock.patch("cp_ext.platform.cuda_unusable_reason", lambda: None):
             a = parse_args(flags, world_size=args.gpus_per_node * args.nodes)
     except ConfigError as e:

@@ -4,7 +4,7 @@ early, clear errors for what DSA does not run."""
 import pytest
 
 from cp_ext.arguments import parse_args
-from tests.arguments.test_arguments import _error
+from tests.arguments.common import _error
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]

@@ -4,7 +4,7 @@ meaning, and one clear error per mistake, naming the flag and the fix."""
 import pytest
 
 from cp_ext.arguments import parse_args
-from tests.arguments.test_arguments import _error
+from tests.arguments.common import _error
 
 DYNAMIC = ["--dynamic-context-parallel", "--calculate-per-token-loss", "--seq-length", "64",
            "--max-seqlen-per-dp-cp-rank", "16"]

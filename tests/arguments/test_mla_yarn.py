@@ -5,7 +5,7 @@ message naming the flag."""
 import pytest
 
 from cp_ext.arguments import parse_args
-from tests.arguments.test_arguments import _error
+from tests.arguments.common import _error
 
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
        "--v-head-dim", "6", "--rotary-scaling-factor", "4"]

@@ -6,7 +6,7 @@ changes only sizes (layers, hidden, heads, experts, ranks, sequence length, wind
 CPU runs it in seconds, and supplies what a launcher adds around the model arguments: the data
 (the embedded corpus, byte-tokenized, instead of the scripts' tokenizer and paths) and the grid.
 Post-training (modelopt) flags in the copies are dropped here: pretrain_moe.py refuses them by
-name (tests/arguments/test_arguments.py), because they configure export, not training.
+name (tests/arguments/test_model.py), because they configure export, not training.
 """
 
 import shlex
