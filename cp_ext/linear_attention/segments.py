@@ -82,7 +82,10 @@ def rank_segments(local_len: int, layout, rank: int, size: int) -> RankSegments:
 class _AllGather(torch.autograd.Function):
     """All-gather along dim 0 (rank after rank); the backward reduce-scatters (sums) every rank's gradient
     of the gathered tensor back to the owner of each slice: every rank reads every slice (its own fold,
-    its own halos), so a slice's gradient is the sum of all the ranks' uses."""
+    its own halos), so a slice's gradient is the sum of all the ranks' uses.
+
+    megatron's ``gather_from_sequence_parallel_region`` does the same but allocates its output on
+    ``torch.cuda.current_device()``, which a CPU run outside the model (no platform shims) does not have."""
 
     @staticmethod
     def forward(ctx, x, group, size):
