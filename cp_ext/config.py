@@ -11,6 +11,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from cp_ext.arguments.linear_attention import LINEAR_VARIANTS
 from cp_ext.arguments.network import GPT_OSS_YARN
 from cp_ext.megatron_compat import ROUTER_SCALES_AUX_LOSS_BY_TP_CP
 
@@ -47,6 +48,12 @@ class ContextParallelTransformerConfig(TransformerConfig):
     """``--experimental-attention-variant dsa``: MLA's core attention is DeepSeek-V3.2's sparse attention
     (`cp_ext.transformer.dsa`). megatron's own ``experimental_attention_variant`` stays None: 0.16.1's
     config refuses it with CP > 1, and 0.19's spec builders swap in modules of their own when it is set."""
+
+    linear_attention_variant: Optional[str] = None
+    """``--experimental-attention-variant gated_delta_net``: the layers ``linear_attention_freq`` marks are Gated
+    DeltaNet (`cp_ext.transformer.gated_delta_net`), exact under CP by state passing. megatron's own
+    ``experimental_attention_variant`` stays None, as for DSA: 0.16.1's config refuses GDN under CP, 0.19's
+    requires the heads to split over TP x CP, and its spec builders would put megatron's GDN in the seat."""
 
     dsa_dense_warmup: bool = False
     """``--dsa-dense-warmup``: V3.2's first stage, dense attention and only the indexer trained."""
@@ -158,6 +165,9 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         **(_mla_rope(args) if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         dsa=args.experimental_attention_variant == "dsa",
+        linear_attention_variant=(args.experimental_attention_variant
+                                  if args.experimental_attention_variant in LINEAR_VARIANTS else None),
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         cp_aware_recompute=args.recompute_granularity == "full" and args.cp_aware_recompute is not False,
         window_size=None if args.window_size is None else tuple(args.window_size),
         layernorm_epsilon=args.norm_epsilon,

@@ -4,9 +4,10 @@
   and data paths are the launcher's) and reach megatron's TransformerConfig with Megatron-LM's
   meaning: the table below names, per family, the fields its flags must set.
 * Shrunk only in sizes, each trains at CP2 as the script says it (--bf16, the alltoall dispatcher,
-  its recompute), all five in one 2-rank launch: the losses are finite, and the model holds the
+  its recompute), all six in one 2-rank launch: the losses are finite, and the model holds the
   family's own parts (dense-first layers and shared experts for DeepSeek, q/k norms for Qwen3,
-  biases and sinks for GPT-OSS, q-LoRA for DeepSeek-V3) and none of the others'.
+  biases and sinks for GPT-OSS, q-LoRA for DeepSeek-V3, Gated DeltaNet layers, the attention's output
+  gate and the shared expert's gate for Qwen3.5) and none of the others'.
 Exactness of each family against CP=1, at every grid, is tests/training/test_grid_equivalence.py's.
 """
 
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.families import FAMILIES, _flags, script_args, tiny
+from tests.families import CPU_DISPATCHER, FAMILIES, LINEAR_FAMILIES, _flags, script_args, tiny
 from tests.launch import launch, worker_args, write_results
 
 # The fields each full-size script must set (Megatron-LM's meaning of its flags).
@@ -37,6 +38,13 @@ FULL_SIZE = {
     "gpt_oss_20b": dict(add_bias_linear=True, window_size=(127, 0), window_attn_skip_freq=2, softmax_type="learnable",
                         glu_linear_offset=1.0, activation_func_clamp_value=7.0, gated_linear_unit=True,
                         num_query_groups=8, rotary_base=150000, position_embedding_type="yarn"),
+    "qwen3_5_397b_a17b": dict(num_layers=60, linear_attention_variant="gated_delta_net", linear_attention_freq=4,
+                              linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, attention_output_gate=True,
+                              layernorm_zero_centered_gamma=True, rotary_percent=0.25, kv_channels=256,
+                              num_query_groups=2, num_moe_experts=512, moe_router_topk=10,
+                              moe_shared_expert_gate=True, moe_shared_expert_intermediate_size=1024, mtp_num_layers=1,
+                              experimental_attention_variant=None),
 }
 
 # Parameter names (substrings) each tiny family's model must hold, and must not.
@@ -49,22 +57,30 @@ PARTS = {
                     ["layers.0.mlp.router", "bias"]),
     "gpt_oss_20b": (["softmax_offset", "linear_qkv.bias", "linear_proj.bias", "experts.local_experts.0.linear_fc1.bias",
                      "router.bias"], ["shared_experts", "q_layernorm"]),
+    # Gated DeltaNet on layers 1-3 (in_proj, conv, decay, gated norm), gated softmax attention on layer 4, MTP
+    "qwen3_5_397b_a17b": (["layers.0.self_attention.in_proj", "layers.2.self_attention.conv1d", "A_log", "dt_bias",
+                           "out_norm", "layers.3.self_attention.linear_qkv", "shared_experts.gate_weight", "mtp"],
+                          ["bias.", "layers.3.self_attention.in_proj", "layers.0.self_attention.linear_qkv"]),
 }
+EVERY_FAMILY = FAMILIES + LINEAR_FAMILIES
 CP2 = ["--context-parallel-size", "2"]
 
 
-def _full_size(family):
+def _full_size(family, dispatcher_on_cpu=True):
     """The script's flags with what its launcher adds (--save) and without what cp_ext replaces here
-    (its tokenizer: the model reads nothing at parse time) or refuses (modelopt's --export-*)."""
+    (its tokenizer: the model reads nothing at parse time) or refuses (modelopt's --export-*), and with
+    DeepEP's dispatcher (CUDA only) as alltoall (``dispatcher_on_cpu``)."""
     tokens = []
     for flag, values in _flags(script_args(family)):
+        if flag == "--moe-token-dispatcher-type" and dispatcher_on_cpu:
+            values = [CPU_DISPATCHER.get(values[0], values[0])]
         if not flag.startswith("--export-") and flag != "--tokenizer-type":
             tokens += [flag, *values]
     return tokens
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EVERY_FAMILY)
 def test_full_size_script_flags_reach_megatrons_config(family, tmp_path):
     from cp_ext.arguments import parse_args
     from cp_ext.config import transformer_config_from_args
@@ -88,10 +104,20 @@ def trained():
 
 # The aux loss each script asks for, by megatron's tracker name; GPT-OSS's coefficient is 0.
 AUX_LOSS = {"mixtral_8x7b": "load balancing loss", "qwen3_30b_a3b": "load balancing loss",
-            "deepseek_v2_lite": "seq load balancing loss", "deepseek_r1": "seq load balancing loss", "gpt_oss_20b": None}
+            "deepseek_v2_lite": "seq load balancing loss", "deepseek_r1": "seq load balancing loss", "gpt_oss_20b": None,
+            "qwen3_5_397b_a17b": "load balancing loss"}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.quick
+def test_deepep_dispatcher_is_refused_naming_alltoall(tmp_path):
+    """Qwen3.5's script asks for --moe-token-dispatcher-type flex (DeepEP): on this machine, one clear message."""
+    from cp_ext.arguments import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match="flex is megatron's DeepEP dispatcher.*use alltoall"):
+        parse_args(_full_size("qwen3_5_397b_a17b", dispatcher_on_cpu=False) + ["--save", str(tmp_path)], world_size=1)
+
+
+@pytest.mark.parametrize("family", EVERY_FAMILY)
 def test_script_flags_train_at_cp2(family, trained):
     run = trained[family]
     assert len(run["lm loss"]) == 3 and all(math.isfinite(x) for x in run["lm loss"] + run["grad norm"]), run
@@ -121,7 +147,7 @@ def worker():
 
     opts = worker_args(sys.argv[1:])
     results = {}
-    for family in FAMILIES:
+    for family in EVERY_FAMILY:
         trainer = Trainer(parse_args(tiny(family, *CP2)))
         history = {}
         for _ in range(3):

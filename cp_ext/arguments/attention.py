@@ -21,6 +21,10 @@ Multi-latent attention (DeepSeek-V2/V3), Megatron-LM's ``_add_mla_args`` with it
 ``--mscale-all-dim`` 0.0; megatron's ``MLATransformerConfig`` fields of the same names, built by
 `cp_ext.models.gpt_moe` with `cp_ext.transformer.mla.ContextParallelMLASelfAttention` in the seat.
 
+DeepSeek-V3.2's sparse attention (`cp_ext.arguments.dsa`) and the linear-attention hybrids
+(`cp_ext.arguments.linear_attention`, with ``--attention-output-gate``) share
+``--experimental-attention-variant``.
+
 And one of cp_ext's own (Megatron-LM has no such flag):
 
 * ``--cp-mla-exchange auto|kv|latent``: what multi-latent attention's ring and all-gather move,
@@ -31,6 +35,7 @@ import argparse
 import os
 
 from cp_ext.arguments.dsa import add_dsa_args, dsa_problems
+from cp_ext.arguments.linear_attention import add_linear_attention_args, linear_attention_problems
 from cp_ext.arguments.parallel import runs_on_cpu
 from cp_ext.flag_types import layer_freq_type
 
@@ -186,6 +191,7 @@ def add_attention_group(parser):
     add_attention_args(g)
     add_mla_args(g)
     add_dsa_args(g)
+    add_linear_attention_args(g)
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
                    help="the local attention kernel, Megatron-LM's choices mapped onto cp_ext's kernels: "
@@ -257,4 +263,5 @@ def fill_attention_defaults(args):
 
 
 def attention_problems(args):
-    return _attention_problems(args) + attention_flag_problems(args) + dsa_problems(args)
+    return (_attention_problems(args) + attention_flag_problems(args) + dsa_problems(args)
+            + linear_attention_problems(args))

@@ -24,7 +24,8 @@ V32_SIZES = {"dsa_indexer_n_heads": 64, "dsa_indexer_head_dim": 128, "dsa_indexe
 def add_dsa_args(g):
     g.add_argument("--experimental-attention-variant", choices=VARIANTS, default=None,
                    help="dsa: DeepSeek-V3.2's sparse attention (with --multi-latent-attention), exact on the CP ring "
-                        "and all-gather; gated_delta_net is Megatron-LM's, not cp_ext's (refused)")
+                        "and all-gather; gated_delta_net: Qwen3-Next's linear attention on the layers "
+                        "--linear-attention-freq names, exact under CP by state passing")
     g.add_argument("--dsa-indexer-n-heads", type=POSITIVE, default=None,
                    help="DSA: the lightning indexer's heads (DeepSeek-V3.2: 64)")
     g.add_argument("--dsa-indexer-head-dim", type=POSITIVE, default=None,
@@ -69,11 +70,8 @@ def _cp_problems(args):
 def dsa_problems(args):
     """Configuration errors of the DSA flags, naming the flag and the fix."""
     variant = args.experimental_attention_variant
-    if variant is None:
+    if variant != "dsa":
         return _given_without_dsa(args)
-    if variant == "gated_delta_net":
-        return ["--experimental-attention-variant gated_delta_net (Qwen3-Next's linear attention) is not built in "
-                "cp_ext; drop it (dsa is)"]
     p = []
     if not args.multi_latent_attention:
         p.append("--experimental-attention-variant dsa is DeepSeek-V3.2's sparse MLA; add --multi-latent-attention")

@@ -54,6 +54,9 @@ def add_moe_args(parser):
     g.add_argument("--moe-shared-expert-intermediate-size", type=POSITIVE, default=None,
                    help="shared experts (DeepSeek, Qwen2-MoE): one dense MLP of this width beside the routed experts, "
                         "on every token")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="the shared experts' output times sigmoid(x . w), a learned per-token gate (Qwen2-MoE, "
+                        "Qwen3-Next, Qwen3.5: megatron-core's moe_shared_expert_gate)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="overlap the shared experts with the alltoall dispatcher's communication (megatron's; "
                         "numerically the same)")
@@ -68,7 +71,7 @@ def add_moe_args(parser):
 _ROUTER_DESTS = ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
                  "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
                  "moe_router_enable_expert_bias", "moe_router_dtype", "moe_expert_capacity_factor",
-                 "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap",
+                 "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "moe_shared_expert_gate",
                  "moe_grouped_gemm", "moe_layer_recompute")
 
 
@@ -151,6 +154,8 @@ def moe_problems(args):
                  f"per layer (1: MoE), e.g. [0]*1+[1]*{args.num_layers - 1}")
     elif not any(pattern):
         p.append("--moe-layer-freq makes every layer dense; drop --num-experts for a dense model, or mark MoE layers 1")
+    if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+        p.append("--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size")
     if args.moe_shared_expert_overlap:
         if args.moe_shared_expert_intermediate_size is None:
             p.append("--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size)")

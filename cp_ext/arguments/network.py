@@ -31,6 +31,9 @@ def add_network_args(parser):
     g.add_argument("--kv-channels", type=POSITIVE, default=None, help="head dim; defaults to hidden/heads")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=number(float, 0, above=True), default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centered norm weights: every norm scales by 1 + weight, the weight starting at 0 "
+                        "(megatron's layernorm_zero_centered_gamma; Qwen3-Next, Qwen3.5)")
     g.add_argument("--swiglu", action="store_true", help="gated linear unit with SiLU (default: GeLU MLP)")
     g.add_argument("--quick-geglu", action="store_true",
                    help="gated linear unit with quick-GeLU, x * sigmoid(1.702 x) (GPT-OSS)")

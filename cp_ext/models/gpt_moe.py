@@ -17,6 +17,9 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
         experts.linear_fc1 -> cp_ext ExpertColumnParallelLinear (expert-TP != TP: reduced over expert-DP)
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear    (that, and biased experts: GPT-OSS)
+      self_attention on the layers --linear-attention-freq marks linear (--experimental-attention-variant
+                         gated_delta_net) -> cp_ext GatedDeltaNet (megatron 0.19's parameters, CP by state
+                         passing: `cp_ext.transformer.gated_delta_net`), in a copy of that layer's spec
     final_layernorm      -> cp_ext SequenceParallelNorm
     mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
                             shards), its norms SequenceParallelNorm, its layer the last one's seats
@@ -34,6 +37,7 @@ megatron's own `sharded_state_dict()`, the same map its checkpoints use, so the 
 ``--seed`` builds the same model on any TP x PP x EP x CP grid.
 """
 
+import copy
 import hashlib
 import math
 
@@ -47,6 +51,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from cp_ext.megatron_compat import quiet_gpt_model_deprecation, spec_parts
@@ -56,6 +61,7 @@ from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
+from cp_ext.transformer.gated_delta_net import GatedDeltaNet
 from cp_ext.transformer.experts import ExpertColumnParallelLinear, ExpertRowParallelLinear
 from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
@@ -89,13 +95,34 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     return layer
 
 
-def get_decoder_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers and final norm: megatron's decoder block spec with cp_ext's seats."""
+def get_decoder_block_spec(config: TransformerConfig, linear_layers: bool = True) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers and final norm: megatron's decoder block spec with cp_ext's seats, and
+    Gated DeltaNet on the layers the linear-attention pattern marks (``linear_layers``; the MTP block takes
+    its layer from the block without them: its attention is softmax attention)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
     for layer in {id(spec): spec for spec in block.layer_specs}.values():  # the dense and the MoE spec
         fill_seats(layer, config)
     block.layer_norm = SequenceParallelNorm
+    if linear_layers and getattr(config, "linear_attention_variant", None):
+        block.layer_specs = with_linear_attention(block.layer_specs, config)
     return block
+
+
+def with_linear_attention(local_specs, config: TransformerConfig):
+    """This stage's layer specs with Gated DeltaNet in the self-attention seat of the linear layers (megatron's
+    `get_linear_attention_pattern`: ``linear_attention_freq`` N makes layer i linear unless (i + 1) % N == 0; a
+    list marks them 1). Each linear layer gets its own copy of the spec, the MLP seat (MoE or dense) shared."""
+    freq, layers = config.linear_attention_freq, config.num_layers
+    pattern = [0 if (i + 1) % freq == 0 else 1 for i in range(layers)] if isinstance(freq, int) else list(freq)
+    offset = get_transformer_layer_offset(config)
+    out = []
+    for local, spec in enumerate(local_specs):
+        if pattern[offset + local]:
+            spec = copy.copy(spec)
+            spec.submodules = copy.copy(spec.submodules)
+            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
+        out.append(spec)
+    return out
 
 
 class ContextParallelGPTModel(GPTModel):
@@ -159,7 +186,8 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         # packed documents, and dynamic CP's documents: RoPE at per-document positions
         batch_position_ids=args.reset_position_ids or getattr(args, "dynamic_context_parallel", False),
         transformer_layer_spec=decoder_block,
-        mtp_block_spec=get_mtp_block_spec(config, decoder_block, fill_seats),  # None without --mtp-num-layers
+        # None without --mtp-num-layers; its layer is the last decoder layer's with softmax attention
+        mtp_block_spec=get_mtp_block_spec(config, get_decoder_block_spec(config, linear_layers=False), fill_seats),
         vocab_size=padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -175,7 +203,8 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
     )
     if initialize:
         init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std,
-                                      num_layers=config.num_layers)
+                                      num_layers=config.num_layers,
+                                      zero_centered_norms=config.layernorm_zero_centered_gamma)
     return model
 
 
@@ -184,24 +213,34 @@ def _key_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
+def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_layers: int,
+                      zero_centered_norms: bool = False) -> torch.Tensor:
     """The full tensor of one unit (see cp_ext.models.parameter_slices), drawn as megatron's default init would.
 
-    `key` (the checkpoint key) decides the distribution; `unit` seeds the generator.
+    `key` (the checkpoint key) decides the distribution; `unit` seeds the generator. Norm weights start at
+    1, or 0 where the norm scales by 1 + weight (``zero_centered_norms``, --apply-layernorm-1p). Gated
+    DeltaNet's as megatron's GDN: ``dt_bias`` 1, ``A_log`` = log U(1, 16), the depthwise conv torch's default
+    U(-1/sqrt(taps), 1/sqrt(taps)).
     """
     name = key.rsplit(".", 1)[-1]
     if "norm" in name and name.endswith("weight") or key.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith("bias"):
-        return torch.zeros(shape)
+        return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
+    if name.endswith("bias") or name == "dt_bias":
+        return torch.ones(shape) if name == "dt_bias" else torch.zeros(shape)
     generator = torch.Generator().manual_seed(_key_seed(seed, unit))
-    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if name == "A_log":
+        return torch.empty(shape).uniform_(1, 16, generator=generator).log()
+    if ".conv1d.weight" in key:
+        bound = 1 / math.sqrt(shape[-1])  # fan-in of a depthwise conv: its taps
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")):
         std = std / math.sqrt(2.0 * num_layers)  # megatron's scaled output-layer init
     return torch.randn(shape, generator=generator) * std
 
 
 @torch.no_grad()
-def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method_std: float, num_layers: int) -> None:
+def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method_std: float, num_layers: int,
+                                  zero_centered_norms: bool = False) -> None:
     """Fill every parameter with its slice of a full tensor seeded by (seed, global key).
 
     Raises if any parameter is not covered, so a new module type cannot silently keep
@@ -215,7 +254,8 @@ def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method
         # materializes a whole stack of layers or experts.
         if piece.unit != last_unit:
             last_unit = piece.unit
-            last_full = _init_full_tensor(piece.key, piece.unit, piece.unit_shape, seed, init_method_std, num_layers)
+            last_full = _init_full_tensor(piece.key, piece.unit, piece.unit_shape, seed, init_method_std, num_layers,
+                                          zero_centered_norms)
         piece.local.copy_(last_full[piece.index].to(piece.local.dtype))
         base = piece.local._base if piece.local._base is not None else piece.local
         covered.update((id(base), id(piece.local)))

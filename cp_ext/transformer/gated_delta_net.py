@@ -35,10 +35,15 @@ takes them) or ``document_ids=``: the conv and the state reset at every document
 
 megatron's GDN applies ``config.activation_func`` in the conv and the output gate (SiLU for Qwen3-Next's
 SwiGLU configs); this module applies SiLU whatever the config's MLP activation is. Ring layouts only
-(zigzag, contiguous): not Ulysses, not dynamic CP. The hyperparameters are keyword arguments with megatron's
-config field names, because megatron-core 0.16.1's TransformerConfig lacks those fields.
+(zigzag, contiguous): not Ulysses, not dynamic CP. The sizes are the config's (megatron's ``linear_*`` fields,
+on 0.16.1 through 0.19.x), or keyword arguments of the same names.
+
+Checkpoints: `sharded_state_dict` is megatron's GDN's, so a distributed checkpoint reshards over TP and holds
+``in_proj.weight`` as its query / key / value / z / beta / alpha parts and ``conv1d.weight`` as query / key /
+value, each TP-sharded on its own (the same keys megatron's module writes).
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -47,11 +52,41 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
+                                             sharded_state_dict_default)
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
                                      gated_delta_rule)
 from cp_ext.transformer.attention import _document_ids
 from cp_ext.transformer.dynamic_cp import dynamic_params
+
+
+def sections_factory(sharded: ShardedTensor, sections, names, dim: int) -> ShardedTensorFactory:
+    """One checkpoint entry ``<key>.<name>`` per section of a TP-sharded tensor whose local rows are this TP rank's
+    slice of every section, concatenated (GDN's ``in_proj`` and ``conv1d``): each entry is then an ordinary
+    TP-sharded tensor, so the checkpoint reshards over TP. The keys and layout of megatron's own
+    ``_split_tensor_factory`` (``megatron/core/ssm``), written here because 0.16.1's copy lives in a module that
+    imports triton."""
+    assert sum(sections) == sharded.local_shape[dim], (sections, sharded.local_shape)
+    template = sharded.without_data()
+
+    @torch.no_grad()
+    def build(key, tensor, replica_id, flattened_range):
+        whole = dataclasses.replace(template, key=key, data=tensor, dtype=tensor.dtype, replica_id=replica_id,
+                                    flattened_range=flattened_range)
+        pieces, start = [], 0
+        for size, name in zip(sections, names):
+            for piece in whole.narrow(dim, start, size):
+                piece.key = f"{piece.key}.{name}"
+                pieces.append(piece)
+            start += size
+        return pieces
+
+    def merge(pieces):
+        return torch.cat(pieces, dim=dim)
+
+    return ShardedTensorFactory(sharded.key, sharded.data, build, merge, sharded.replica_id)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -117,10 +152,21 @@ def _cp_group_and_layout(config):
 class GatedDeltaNet(MegatronModule):
     """Qwen3-Next's Gated DeltaNet mixer with megatron-core 0.19's parameters (see the module docstring)."""
 
-    def __init__(self, config: TransformerConfig, *, linear_conv_kernel_dim: int, linear_key_head_dim: int,
-                 linear_value_head_dim: int, linear_num_key_heads: int, linear_num_value_heads: int,
-                 layer_number: int = 1):
+    def __init__(self, config: TransformerConfig, *, linear_conv_kernel_dim: Optional[int] = None,
+                 linear_key_head_dim: Optional[int] = None, linear_value_head_dim: Optional[int] = None,
+                 linear_num_key_heads: Optional[int] = None, linear_num_value_heads: Optional[int] = None,
+                 layer_number: int = 1, **spec_kwargs):
+        """Sizes not given are the config's fields of the same names; ``spec_kwargs``: what megatron's
+        TransformerLayer passes its self-attention (``cp_comm_type``, ``pg_collection``, ``name``), unused."""
         super().__init__(config=config)
+        def given_or_config(value, field):
+            return getattr(config, field) if value is None else value
+
+        linear_conv_kernel_dim = given_or_config(linear_conv_kernel_dim, "linear_conv_kernel_dim")
+        linear_key_head_dim = given_or_config(linear_key_head_dim, "linear_key_head_dim")
+        linear_value_head_dim = given_or_config(linear_value_head_dim, "linear_value_head_dim")
+        linear_num_key_heads = given_or_config(linear_num_key_heads, "linear_num_key_heads")
+        linear_num_value_heads = given_or_config(linear_num_value_heads, "linear_num_value_heads")
         _check(config, linear_conv_kernel_dim, linear_key_head_dim, linear_value_head_dim, linear_num_key_heads,
                linear_num_value_heads)
         tp = config.tensor_model_parallel_size
@@ -156,6 +202,32 @@ class GatedDeltaNet(MegatronModule):
         if config.perform_initialization:  # megatron's: dt_bias 1, A uniform in [1, 16] on the TP rank's stream
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 self.A_log.data.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron's GDN checkpoint map: ``A_log``, ``dt_bias`` and ``conv1d.weight`` TP-sharded on dim 0,
+        ``in_proj.weight`` and ``conv1d.weight`` split into their sections first (each TP rank holds a slice of
+        every section), ``out_norm`` replicated, ``out_proj`` as megatron's row-parallel linear."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets,
+                                                  tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            if name == "conv1d":
+                out.update(make_sharded_tensors_for_checkpoint(
+                    module.state_dict(prefix="", keep_vars=True), f"{prefix}conv1d.", {"weight": 0}, sharded_offsets,
+                    tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"]))
+            else:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=tp_group))
+        out[f"{prefix}in_proj.weight"] = sections_factory(
+            out[f"{prefix}in_proj.weight"], list(self.in_proj_split_sections),
+            ["query", "key", "value", "z", "beta", "alpha"], 0)
+        out[f"{prefix}conv1d.weight"] = sections_factory(
+            out[f"{prefix}conv1d.weight"], [self.qk_dim_local, self.qk_dim_local, self.v_dim_local],
+            ["query", "key", "value"], 0)
+        return out
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
                 document_ids: Optional[torch.Tensor] = None, inference_context=None, packed_seq_params=None,

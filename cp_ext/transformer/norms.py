@@ -8,9 +8,15 @@ their gradients must be summed over the TP group. megatron-core does that sum in
 (distributed/finalize_model_grads.py, `_allreduce_non_tensor_model_parallel_grads`).
 Megatron's own `WrappedTorchNorm` refuses SP outright; this module is that wrapper with
 the marking added, so it slots into the same `ModuleSpec` seat.
+
+Zero-centered gamma (Megatron-LM's ``--apply-layernorm-1p``, megatron's ``layernorm_zero_centered_gamma``;
+Qwen3-Next's and Qwen3.5's norms): the parameter is stored as w and the norm scales by 1 + w, with w
+initialized to 0, so weight decay pulls the gain towards 1 instead of 0 (TransformerEngine's
+``zero_centered_gamma``, transformers' ``Qwen3NextRMSNorm``).
 """
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -31,15 +37,39 @@ class SequenceParallelNorm:
         zero_centered_gamma: bool = False,
         normalization: str = None,
     ):
-        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
-            raise ValueError("cp_ext norms do not implement zero-centered gamma; unset it")
+        zero_centered = config.layernorm_zero_centered_gamma or zero_centered_gamma
         kind = normalization or config.normalization
         if kind == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = (ZeroCenteredLayerNorm if zero_centered else torch.nn.LayerNorm)(
+                hidden_size, eps=eps, dtype=config.params_dtype)
         elif kind == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = (ZeroCenteredRMSNorm if zero_centered else torch.nn.RMSNorm)(
+                hidden_size, eps=eps, dtype=config.params_dtype)
         else:
             raise ValueError(f"--normalization {kind!r} is not supported; use LayerNorm or RMSNorm")
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm whose gain is 1 + ``weight`` (``weight`` starts at 0)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm whose gain is 1 + ``weight`` (``weight`` starts at 0; the bias is as usual)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)

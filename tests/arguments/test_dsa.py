@@ -26,7 +26,8 @@ DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
          ["is DeepSeek-V3.2's sparse MLA; add --multi-latent-attention"]),
         (MLA + ["--experimental-attention-variant", "dsa"], 1,
          ["needs --dsa-indexer-n-heads, --dsa-indexer-head-dim, --dsa-indexer-topk", "--dsa-indexer-topk 2048"]),
-        (MLA + ["--experimental-attention-variant", "gated_delta_net"], 1, ["gated_delta_net", "not built in cp_ext"]),
+        (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2", "--num-layers", "2",
+          "--dsa-indexer-topk", "8"], 1, ["--dsa-indexer-topk applies to DeepSeek sparse attention"]),
         (DSA[:-3] + ["2", "--dsa-indexer-topk", "8"], 1,
          ["--dsa-indexer-head-dim 2 is smaller than the RoPE part", "--qk-pos-emb-head-dim 4"]),
         (DSA + ["--dsa-indexer-loss-coeff", "-1"], 1, ["--dsa-indexer-loss-coeff -1.0 must be >= 0"]),
@@ -44,7 +45,7 @@ DSA = MLA + ["--experimental-attention-variant", "dsa"] + SIZES
         (DSA + ["--dsa-dense-warmup", "--dsa-indexer-loss-coeff", "1", "--dsa-indexer-use-sparse-loss"], 1,
          ["drop --dsa-indexer-use-sparse-loss, which belongs to the sparse stage"]),
     ],
-    ids=["dsa-flags-without-dsa", "dsa-without-q-lora", "topk-zero", "dsa-without-mla", "sizes-missing", "gated-delta-net", "head-dim-below-rope",
+    ids=["dsa-flags-without-dsa", "dsa-without-q-lora", "topk-zero", "dsa-without-mla", "sizes-missing", "dsa-flag-with-gated-delta-net", "head-dim-below-rope",
          "negative-coeff", "sparse-loss-without-loss", "ulysses", "hybrid", "kv-exchange", "window",
          "sink", "packed-documents", "core-attn-recompute", "warmup-without-loss", "warmup-sparse-loss"],
 )

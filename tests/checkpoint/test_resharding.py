@@ -7,9 +7,10 @@ equal the uninterrupted run's within 1e-5 relative: model weights, Adam moments,
 the LR schedule and the data position all moved across TP, PP, EP, CP, DP and the optimizer
 kind (``--use-distributed-optimizer`` on or off). Also measured: bytes each rank writes.
 
-Megatron-LM's five MoE scripts (tests/families: MLA, dense-first layers, shared experts, q/k
-norms, biases and sinks) do the same in the same launch: saved at CP2 x EP2, loaded at
-TP2+SP x PP2, in fp32.
+Megatron-LM's MoE scripts (tests/families: MLA, dense-first layers, shared experts, q/k
+norms, biases and sinks, and Qwen3.5's Gated DeltaNet layers, whose in_proj and conv are saved
+as megatron's per-section tensors and resharded over TP) do the same in the same launch: saved
+at CP2 x EP2, loaded at TP2+SP x PP2, in fp32.
 """
 
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.families import FAMILIES, tiny
+from tests.families import FAMILIES, LINEAR_FAMILIES, tiny
 from tests.launch import launch, selected, worker_args, write_results
 
 BASE = ["--num-experts", "4", "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -50,7 +51,8 @@ PAIRS = [  # (saving grid, loading grid): every supported reshard, each way
 SAVED_AT = 4
 FAMILY_SAVE = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
 FAMILY_LOAD = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",  # expert-TP 1 (GPT-OSS's
-               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]  # biased experts), EP2
+               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",  # biased experts), EP2
+               "--sequence-parallel"]  # the scripts' own, but for Qwen3.5's, whose launcher's parallel flags add it
 FAMILY_ITERS, FAMILY_SAVED_AT = 4, 2
 
 
@@ -79,7 +81,7 @@ def test_resumes_at_another_grid_as_if_uninterrupted(results, pair):
             assert abs(got - want) <= 1e-5 * abs(want), f"{name}: iteration {it}: mtp_1 loss {got} vs {want}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LINEAR_FAMILIES)
 def test_family_resumes_at_another_grid_as_if_uninterrupted(results, family):
     ref, resumed = results[f"{family}-uninterrupted"], results[f"{family}-resumed"]
     assert resumed["start_iteration"] == FAMILY_SAVED_AT and len(resumed["losses"]) == FAMILY_ITERS - FAMILY_SAVED_AT
@@ -165,7 +167,7 @@ def worker():
     if opts.cases is None:  # the whole launch (not the quick subset's one pair)
         trainer = _trainer(GRIDS["dp4_ep2"] + ["--load", str(saved["dp4_ep2"]), "--no-load-optim"])
         out["no-load-optim"] = {"losses": _train(trainer, 8)}
-        for family in FAMILIES:
+        for family in FAMILIES + LINEAR_FAMILIES:
             out[f"{family}-uninterrupted"] = _train(_trainer(FAMILY_SAVE, _family(family)), FAMILY_ITERS)
             trainer = _trainer(FAMILY_SAVE, _family(family))
             _train(trainer, FAMILY_SAVED_AT)

@@ -423,7 +423,8 @@ def test_fully_masked_cp_shard(runs):
     _assert_same(result, runs("cp1_masked"))
 
 
-def _assert_same(result, reference):
+def _assert_same(result, reference, tolerances=None):
+    """``tolerances``: {substring of a unit: relative tolerance} for gradients looser than 1e-5 (each says why)."""
     (run, grads), (ref, ref_grads) = result, reference
     for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")],
                 *[k for k in ref if k == "indexer loss"]):
@@ -436,7 +437,8 @@ def _assert_same(result, reference):
     for unit, ref in ref_grads.items():
         err = (grads[unit] - ref).abs().max().item()
         scale = max(ref.abs().max().item(), 1e-3 * largest)
-        assert err <= 1e-5 * scale, f"{unit}: max |grad - ref| = {err:.3e}, max |ref| = {scale:.3e}"
+        tol = next((t for part, t in (tolerances or {}).items() if part in unit), 1e-5)
+        assert err <= tol * scale, f"{unit}: max |grad - ref| = {err:.3e}, max |ref| = {scale:.3e}"
     norm_units = [u for u in ref_grads if "norm" in u]
     assert norm_units and all(ref_grads[u].abs().max() > 0 for u in norm_units), "norm grads must be non-trivial"
 

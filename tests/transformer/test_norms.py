@@ -31,6 +31,20 @@ def test_norm_kind_and_sp_marking(normalization, cls, sp):
     assert torch.allclose(norm(x), ref(x))
 
 
-def test_zero_centered_gamma_is_refused():
-    with pytest.raises(ValueError, match="zero-centered"):
-        SequenceParallelNorm(_config(layernorm_zero_centered_gamma=True), hidden_size=16)
+@pytest.mark.parametrize("normalization,cls", [("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)])
+def test_zero_centered_gamma_scales_by_one_plus_weight(normalization, cls):
+    """--apply-layernorm-1p: the weight starts at 0, the gain is 1 + weight (input and weight gradients too)."""
+    norm = SequenceParallelNorm(_config(normalization=normalization, layernorm_zero_centered_gamma=True),
+                                hidden_size=16, eps=1e-6)
+    assert isinstance(norm, cls) and torch.equal(norm.weight, torch.zeros(16))
+    with torch.no_grad():
+        norm.weight.normal_()
+    ref = cls(16, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight + 1)
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    out, ref_out = norm(x), ref(x)
+    assert torch.allclose(out, ref_out, atol=1e-6)
+    grad_x, grad_w = torch.autograd.grad(out.square().sum(), (x, norm.weight))
+    ref_x, ref_w = torch.autograd.grad(ref_out.square().sum(), (x, ref.weight))
+    assert torch.allclose(grad_x, ref_x, atol=1e-5) and torch.allclose(grad_w, ref_w, atol=1e-5)
