@@ -261,7 +261,15 @@ _SHAPE_FLAGS_BY_KEY = (
     ("shared_experts", "--moe-shared-expert-intermediate-size, --hidden-size, --swiglu"),
     ("experts", "--num-experts, --moe-ffn-hidden-size, --hidden-size, --swiglu"),
     ("linear_fc", "--ffn-hidden-size, --hidden-size, --swiglu"),
-    ("linear_qkv", "--num-attention-heads, --num-query-groups, --kv-channels, --hidden-size"),
+    ("linear_qkv", "--num-attention-heads, --num-query-groups, --kv-channels, --hidden-size, --attention-output-gate"),
+    ("self_attention.in_proj", "--linear-num-key-heads, --linear-num-value-heads, --linear-key-head-dim, "
+                               "--linear-value-head-dim, --hidden-size"),
+    ("self_attention.conv1d", "--linear-conv-kernel-dim, --linear-num-key-heads, --linear-num-value-heads, "
+                              "--linear-key-head-dim, --linear-value-head-dim"),
+    ("self_attention.out_proj", "--linear-num-value-heads, --linear-value-head-dim, --hidden-size"),
+    ("self_attention.out_norm", "--linear-value-head-dim"),
+    ("A_log", "--linear-num-value-heads"),
+    ("dt_bias", "--linear-num-value-heads"),
     ("linear_q", "--num-attention-heads, --hidden-size, --q-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim"),
     ("linear_kv", "--kv-lora-rank, --qk-head-dim, --v-head-dim, --num-attention-heads"),
     ("linear_proj", "--num-attention-heads, --kv-channels, --v-head-dim, --hidden-size"),

@@ -19,10 +19,14 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
     norms       input_layernorm, pre_mlp_layernorm: h each (x 2 with LayerNorm's bias)
     MLP         dense layers (--moe-layer-freq 0, or no experts): fc1 [2f or f, h], fc2 [h, f] (+ biases)
     MoE         router [E, h] (+ bias E), E experts of f_e, shared experts of f_s (--moe-shared-
-                expert-intermediate-size) as one MLP
+                expert-intermediate-size) as one MLP, their gate h (--moe-shared-expert-gate)
+                --attention-output-gate: linear_qkv a d rows more (the gate, projected with q)
+    linear      Gated DeltaNet (the layers --linear-attention-freq marks, `cp_ext.transformer.gated_delta_net`):
+                in_proj [2 H_k K + 2 H_v V + 2 H_v, h], conv1d (2 H_k K + H_v V) w, dt_bias and A_log H_v each,
+                out_norm V, out_proj [h, H_v V]
     MTP         (--mtp-num-layers, megatron's MultiTokenPredictionLayer): enorm, hnorm h each,
-                eh_proj [h, 2h], one transformer layer of the last decoder layer's kind, its
-                final norm h; embedding and output layer shared with the main model. cp_ext does
+                eh_proj [h, 2h], one transformer layer of the last decoder layer's kind (with
+                softmax attention), its final norm h; embedding and output layer shared with the main model. cp_ext does
                 not build MTP yet: checked against megatron's own GPTModel with an MTP block.
 """
 
@@ -37,7 +41,9 @@ SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "swiglu", "quick_geglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "softmax_type",
     "untie_embeddings_and_output_weights", "vocab_size", "make_vocab_size_divisible_by", "padded_vocab_size",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "position_embedding_type", "mtp_num_layers", "mtp_use_repeated_layer")}
+    "position_embedding_type", "mtp_num_layers", "mtp_use_repeated_layer", "experimental_attention_variant",
+    "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "attention_output_gate", "moe_shared_expert_gate")}
 SHAPE_FLAGS["add_bias_linear"] = "--disable-bias-linear: add_bias_linear"  # the flag sets it False
 
 PatternLike = Optional[object]  # int (every N-th layer) or a 0/1 list per layer, as Megatron-LM parses them
@@ -84,6 +90,15 @@ class ModelShape:
     moe_router_group_topk: Optional[int] = None
     moe_router_fp32: bool = False  # --moe-router-dtype fp32: the dispatcher's probs in fp32
     learned_positions: int = 0  # --position-embedding-type learned_absolute: max_position_embeddings rows
+    attention_output_gate: bool = False
+    shared_expert_gate: bool = False
+    # linear attention (--experimental-attention-variant gated_delta_net): which layers, and their sizes
+    linear_attention_freq: PatternLike = None
+    linear_conv_kernel: int = 4
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +121,14 @@ class ModelShape:
             return False
         freq = self.moe_layer_freq
         return bool(freq[i]) if isinstance(freq, (list, tuple)) else i % freq == 0
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Layer i (0-based) is linear attention: megatron's linear_attention_freq (int N: unless (i + 1) % N
+        == 0; list: its 1s)."""
+        freq = self.linear_attention_freq
+        if freq is None:
+            return False
+        return bool(freq[i]) if isinstance(freq, (list, tuple)) else (i + 1) % freq != 0
 
     def is_window_layer(self, i: int) -> bool:
         """megatron's is_layer_window_attention (layer number i + 1)."""
@@ -156,7 +179,21 @@ class ModelShape:
             moe_router_fp32=args.moe_router_dtype == "fp32",
             learned_positions=(args.max_position_embeddings if args.position_embedding_type == "learned_absolute"
                                else 0),
+            attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
+            shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+            **_linear_fields(args),
         )
+
+
+def _linear_fields(args) -> dict:
+    """The linear-attention layers' pattern and sizes, where --experimental-attention-variant makes them."""
+    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+        return {}
+    freq = args.linear_attention_freq
+    return dict(linear_attention_freq=tuple(freq) if isinstance(freq, list) else freq,
+                linear_conv_kernel=args.linear_conv_kernel_dim, linear_key_heads=args.linear_num_key_heads,
+                linear_value_heads=args.linear_num_value_heads, linear_key_dim=args.linear_key_head_dim,
+                linear_value_dim=args.linear_value_head_dim)
 
 
 PRESETS: Dict[str, ModelShape] = {
@@ -193,26 +230,36 @@ def attention_params(m: ModelShape) -> int:
         kv = h * (r + p) + r * a * (m.qk_head_dim + m.v_head_dim) + (norm * r if m.qk_layernorm else 0)
         return q + kv + a * m.v_head_dim * h + out_bias + sinks
     d, g = m.head_dim, m.kv_heads
-    qkv_out = (a + 2 * g) * d
+    qkv_out = (a + 2 * g) * d + (a * d if m.attention_output_gate else 0)
     qkv = h * qkv_out + (qkv_out if m.add_bias_linear or m.add_qkv_bias else 0)
     qk_norm = 2 * norm * d if m.qk_layernorm else 0
     return qkv + a * d * h + out_bias + qk_norm + sinks
 
 
-def layer_params(m: ModelShape, i: int) -> Dict[str, int]:
+def linear_attention_params(m: ModelShape) -> int:
+    """One Gated DeltaNet mixer (megatron-core 0.19's parameters; no biases)."""
+    qk, v, hv = m.linear_key_heads * m.linear_key_dim, m.linear_value_heads * m.linear_value_dim, m.linear_value_heads
+    in_proj = m.hidden * (2 * qk + 2 * v + 2 * hv)
+    return in_proj + (2 * qk + v) * m.linear_conv_kernel + 2 * hv + m.linear_value_dim + v * m.hidden
+
+
+def layer_params(m: ModelShape, i: int, softmax_attention: bool = False) -> Dict[str, int]:
     """Parameters of layer i: attention, norms, dense MLP, router and shared experts ('dense',
-    sharded by TP) and the routed experts ('expert', sharded by EP x ETP)."""
-    dense = attention_params(m) + 2 * m.hidden * (2 if m.layernorm else 1)
+    sharded by TP) and the routed experts ('expert', sharded by EP x ETP). ``softmax_attention``: the
+    layer's kind with softmax attention even where the pattern makes it linear (the MTP layer's)."""
+    linear = m.is_linear_layer(i) and not softmax_attention
+    dense = (linear_attention_params(m) if linear else attention_params(m)) + 2 * m.hidden * (2 if m.layernorm else 1)
     if not m.is_moe_layer(i):
         return {"dense": dense + _mlp_params(m, m.ffn), "expert": 0}
     router = m.hidden * m.experts + (m.experts if m.add_bias_linear else 0)
-    shared = _mlp_params(m, m.shared_expert_ffn) if m.shared_expert_ffn else 0
+    shared = (_mlp_params(m, m.shared_expert_ffn) + (m.hidden if m.shared_expert_gate else 0)
+              if m.shared_expert_ffn else 0)
     return {"dense": dense + router + shared, "expert": m.experts * _mlp_params(m, m.expert_ffn)}
 
 
 def mtp_layer_params(m: ModelShape) -> Dict[str, int]:
     """One MTP layer: enorm, hnorm, eh_proj, a layer like the last decoder layer, its final norm."""
-    per = layer_params(m, m.layers - 1)
+    per = layer_params(m, m.layers - 1, softmax_attention=True)
     norm = 2 if m.layernorm else 1
     return {"dense": per["dense"] + 3 * norm * m.hidden + 2 * m.hidden * m.hidden, "expert": per["expert"]}
 
@@ -248,6 +295,10 @@ def describe(m: ModelShape) -> str:
                      + (f", q-LoRA {m.q_lora_rank}" if m.q_lora_rank else "") + f", q/k {m.head_dim}, v {m.v_dim})")
     else:
         parts.append(f"{m.heads} heads / {m.kv_heads} KV of {m.head_dim}" + (" + qk-norm" if m.qk_layernorm else ""))
+    linear = sum(1 for i in range(m.layers) if m.is_linear_layer(i))
+    if linear:
+        parts.append(f"{linear} Gated DeltaNet layers ({m.linear_key_heads} key / {m.linear_value_heads} value heads "
+                     f"of {m.linear_key_dim} / {m.linear_value_dim}, conv {m.linear_conv_kernel})")
     if m.window_size is not None:
         windowed = sum(1 for i in range(m.layers) if m.is_window_layer(i))
         parts.append(f"window {m.window_size[0]} on {windowed} layers")
@@ -265,5 +316,6 @@ def active_params(m: ModelShape) -> int:
     return total_params(m) - routed + routed * m.topk // max(1, m.experts)
 
 
-__all__ = ["ModelShape", "PRESETS", "SHAPE_FLAGS", "active_params", "attention_params", "describe", "layer_params", "mlp_matrices",
+__all__ = ["ModelShape", "PRESETS", "SHAPE_FLAGS", "active_params", "attention_params", "describe", "layer_params",
+           "linear_attention_params", "mlp_matrices",
            "mtp_layer_params", "mtp_weight_layers", "outside_layers_params", "params_per_layer", "total_params"]

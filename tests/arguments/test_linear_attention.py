@@ -60,3 +60,19 @@ def test_qwen3_next_flags_reach_megatrons_config():
     plain = transformer_config_from_args(parse_args([], world_size=1))
     assert plain.linear_attention_variant is None and plain.linear_attention_freq is None
     assert not (plain.attention_output_gate or plain.layernorm_zero_centered_gamma)
+
+
+@pytest.mark.quick
+def test_checkpoint_of_other_linear_sizes_is_refused(tmp_path, crafted_checkpoint):
+    """The linear layers' sizes are model flags: a checkpoint saved with others is refused at parse time, naming
+    the flag, the run's value and the checkpoint's (`cp_ext.perf.model_shape.SHAPE_FLAGS`)."""
+    import json
+
+    ckpt = crafted_checkpoint(tmp_path / "ckpt", 5)
+    meta = ckpt / "iter_0000005" / "meta.json"
+    saved = {"experimental_attention_variant": "gated_delta_net", "linear_num_key_heads": 4, "linear_attention_freq": 2}
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "model": saved}))
+    message = _error(GDN + ["--load", str(ckpt), "--train-iters", "10"], 1)
+    assert "the checkpoint is of another model" in message
+    assert "--linear-num-key-heads 2 (checkpoint: 4)" in message
+    assert "--linear-attention-freq" not in message  # the same pattern: not named

@@ -1,6 +1,6 @@
 """`ModelShape.from_args` counts the parameters megatron-core builds, exactly, for every family of
 tests/families (MLA with and without q-LoRA, dense-first layers, shared experts, qk-norm,
-kv_channels != hidden / heads, biases, sinks) and for variants of the flags the scripts do not use
+kv_channels != hidden / heads, biases, sinks, Qwen3.5's Gated DeltaNet layers and gates) and for variants of the flags the scripts do not use
 (LayerNorm, a QKV-only bias, learned positions, an integer --moe-layer-freq): per layer and in total.
 All models are built in one process (one megatron import)."""
 
@@ -11,16 +11,20 @@ import pytest
 
 from cp_ext.arguments import parse_args
 from cp_ext.perf.model_shape import ModelShape, layer_params, mtp_layer_params, total_params
-from tests.families import FAMILIES, tiny
+from tests.families import FAMILIES, LINEAR_FAMILIES, tiny
 from tests.launch import one_rank_megatron, run_code
 
 VOCAB = 384  # what the trainer pads the byte tokenizer's 257 to (--make-vocab-size-divisible-by 128)
-CASES = {family: tiny(family) for family in FAMILIES}
+CASES = {family: tiny(family) for family in FAMILIES + LINEAR_FAMILIES}
 CASES.update({
     "mixtral_layernorm_qkv_bias": tiny("mixtral_8x7b", "--normalization", "LayerNorm", "--add-qkv-bias"),
     "qwen3_learned_positions_moe_every_2nd": tiny("qwen3_30b_a3b", "--position-embedding-type", "learned_absolute",
                                                   "--moe-layer-freq", "2"),
     "deepseek_v2_lite_no_qk_layernorm": [t for t in tiny("deepseek_v2_lite") if t != "--qk-layernorm"],
+    # the last layer linear (its MTP layer still softmax attention), a list pattern, a 3-tap conv, no gates
+    "qwen3_5_last_layer_linear": [t for t in tiny("qwen3_5_397b_a17b", "--linear-attention-freq", "[1,0,1,1]",
+                                                  "--linear-conv-kernel-dim", "3")
+                                  if t not in ("--attention-output-gate", "--moe-shared-expert-gate")],
 })
 
 
