@@ -25,6 +25,12 @@ each test appends its rows to ``DIR/rows.jsonl``, `tests.gpu.conftest`), and pri
    Ulysses and the hybrid on ~4096 tokens, bf16 and fp32, against float64 truth; a 30-iteration
    ``--bf16`` demo run whose loss must fall; tools/bench_attention.py whose counted bytes must
    equal `cp_ext.perf.comm`'s formula; the model grid-equivalence test's CP2 ring and Ulysses cases.
+4. Linear attention (tests/gpu/test_linear_attention.py, `tests.gpu.linear_attention`): fla's Triton
+   kernels (`cp_ext.linear_attention.fla_kernels`) against cp_ext's torch rule, the gated delta rule and
+   the segment summary, Gated DeltaNet and KDA, fp32 and bf16, outputs and gradients (one "not covered"
+   row without fla); the state-passing CP op at CP2 over gloo on this device against the single-device
+   rule. Measure rms(error) / rms(truth) against float64; bound 2 x the torch rule's + fla's own test
+   tolerance (x 8 in bf16); the rows state both.
 
 Bounds, per tensor, on max |error| against float64 truth, relative to the same attention on one
 device in the dtype ("ref"): `tests.attention.bounds` (fp32 <= 2 x ref and <= 1e-4; fp64; bf16/fp16
@@ -49,7 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # In the order of the summary table.
 TESTS = ("tests/gpu/test_one_device.py", "tests/gpu/test_masks.py", "tests/gpu/test_one_gpu.py",
-         "tests/gpu/test_multi_gpu.py")
+         "tests/gpu/test_multi_gpu.py", "tests/gpu/test_linear_attention.py")
 GRACE_S = 60  # past the budget, for the last time-boxed step to end; then the tests are stopped
 
 

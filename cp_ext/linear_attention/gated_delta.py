@@ -21,6 +21,10 @@ before its first token is dropped (A_t = 0 there). The state and every sum are f
 `gated_delta_rule` is the chunked (WY / UT) form; `gated_delta_recurrent` the token-by-token reference.
 `segment_summary` is what context parallelism (`cp_ext.linear_attention.state_passing`) exchanges: a segment
 run from a zero state gives S_out = M S_in + E and o = o0 + Qtilde S_in for whatever S_in really precedes it.
+
+Kernels: both take ``kernel="auto" | "torch" | "fla"``. "torch" is the code below; "fla" runs fla's Triton
+kernels on CUDA tensors (`cp_ext.linear_attention.fla_kernels`: the same rule, its rounding); "auto" picks fla
+on CUDA when fla imports and the torch rule otherwise, so a CPU call is always the code below.
 """
 
 from typing import NamedTuple, Optional
@@ -28,6 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from cp_ext.linear_attention.fla_kernels import fla_rule, fla_summary, use_fla
 from cp_ext.linear_attention.kda import per_channel_terms
 
 
@@ -53,10 +58,7 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm=False):
-    """The inputs as the loops read them: [b, h, s, d] (g: [b, h, s] or [b, h, s, K], beta: [b, h, s]) in the
-    accumulation dtype, q and k normalized if asked, q scaled, q/k heads repeated for grouped value heads
-    (as transformers and megatron do), and the resets."""
+def _check_shapes(q, k, v, g, beta):
     b, s, hk, kd = k.shape
     hv = v.shape[2]
     if (q.shape != k.shape or v.shape[:2] != (b, s) or g.shape not in ((b, s, hv), (b, s, hv, kd))
@@ -65,6 +67,24 @@ def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2n
                          f"or [b, s, h_v, K] (per channel), beta [b, s, h_v], with h_k dividing h_v; got "
                          f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} "
                          f"beta {tuple(beta.shape)}")
+
+
+def _resets(document_ids, previous_document_id, b, s, device):
+    """`document_resets` of [b, s] ids after checking their shape; all False without ids."""
+    if document_ids is None:
+        return torch.zeros(b, s, dtype=torch.bool, device=device)
+    if document_ids.shape != (b, s):
+        raise ValueError(f"document_ids must be [b, s] = {(b, s)}, got {tuple(document_ids.shape)}")
+    return document_resets(document_ids, previous_document_id)
+
+
+def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm=False):
+    """The inputs as the loops read them: [b, h, s, d] (g: [b, h, s] or [b, h, s, K], beta: [b, h, s]) in the
+    accumulation dtype, q and k normalized if asked, q scaled, q/k heads repeated for grouped value heads
+    (as transformers and megatron do), and the resets."""
+    _check_shapes(q, k, v, g, beta)
+    b, s, hk, kd = k.shape
+    hv = v.shape[2]
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
     acc = _accum_dtype(q.dtype)
@@ -72,13 +92,7 @@ def _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2n
     if qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (kd ** -0.5 if scale is None else scale)
-    if document_ids is None:
-        resets = torch.zeros(b, s, dtype=torch.bool, device=q.device)
-    else:
-        if document_ids.shape != (b, s):
-            raise ValueError(f"document_ids must be [b, s] = {(b, s)}, got {tuple(document_ids.shape)}")
-        resets = document_resets(document_ids, previous_document_id)
-    return q, k, v, g, beta, resets
+    return q, k, v, g, beta, _resets(document_ids, previous_document_id, b, s, q.device)
 
 
 def _initial(state, b, h, kd, vd, like):
@@ -147,14 +161,18 @@ def _chunked(q, k, v, g, beta, resets, state, chunk_size):
 
 
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, chunk_size: int = 64, document_ids=None,
-                     previous_document_id=None, scale: Optional[float] = None, qk_l2norm: bool = False):
+                     previous_document_id=None, scale: Optional[float] = None, qk_l2norm: bool = False,
+                     kernel: str = "auto"):
     """The gated delta rule, chunked: (o [b, s, h_v, V] in v's dtype, final state [b, h_v, K, V] fp32/fp64).
 
     q, k: [b, s, h_k, K]; v: [b, s, h_v, V]; beta: [b, s, h_v]; g (log-decay): [b, s, h_v] (Gated DeltaNet)
     or [b, s, h_v, K] (KDA); ``scale`` defaults to K**-0.5; ``qk_l2norm``: normalize q and k first.
     ``document_ids`` [b, s]: packed documents, the state resets where the id changes (see `document_resets`
     for the first token and ``previous_document_id``). Any s: the last chunk is padded with inert tokens.
+    ``kernel``: "auto", "torch" or "fla" (module docstring).
     """
+    if use_fla(kernel, q, k, v, g):
+        return _by_fla(q, k, v, g, beta, initial_state, document_ids, previous_document_id, scale, qk_l2norm)
     out_dtype = v.dtype
     q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm)
     b, h, _, kd = k.shape
@@ -191,7 +209,7 @@ class SegmentSummary(NamedTuple):
 
 
 def segment_summary(q, k, v, g, beta, *, chunk_size: int = 64, document_ids=None, previous_document_id=None,
-                    scale: Optional[float] = None, qk_l2norm: bool = False) -> SegmentSummary:
+                    scale: Optional[float] = None, qk_l2norm: bool = False, kernel: str = "auto") -> SegmentSummary:
     """`SegmentSummary` of one segment, exact and differentiable, from one chunked pass.
 
     The rule is linear in the state column by column, with every column seeing the same A_t. So the
@@ -199,7 +217,11 @@ def segment_summary(q, k, v, g, beta, *, chunk_size: int = 64, document_ids=None
     the zero-state run (o0, E); the other K carry the identity through the transitions, giving
     M = A_s ... A_1 I as the final state and M_t^T q_t (= Qtilde's rows) as the outputs. Cost: the
     per-chunk products run on V + K columns instead of V. Per-head or per-channel g alike (A_t's decay).
+    ``kernel``: "auto", "torch" or "fla" (module docstring); fla runs the same widened pass in one call.
     """
+    if use_fla(kernel, q, k, v, g):
+        return SegmentSummary(*_by_fla(q, k, v, g, beta, None, document_ids, previous_document_id, scale, qk_l2norm,
+                                       summary=True))
     q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, scale, document_ids, previous_document_id, qk_l2norm)
     b, h, s, kd = k.shape
     vd = v.shape[-1]
@@ -209,3 +231,19 @@ def segment_summary(q, k, v, g, beta, *, chunk_size: int = 64, document_ids=None
     o, final = _chunked(q, k, widened, g, beta, resets, state, chunk_size)
     o = o.transpose(1, 2)
     return SegmentSummary(o[..., :vd], o[..., vd:], final[..., vd:], final[..., :vd])
+
+
+# ------------------------------------------------------------- the fla kernels (cp_ext.linear_attention.fla_kernels)
+def _by_fla(q, k, v, g, beta, initial_state, document_ids, previous_document_id, scale, qk_l2norm, summary=False):
+    """The rule (or, with ``summary``, the summary's fields) by fla, after the torch path's checks of the inputs."""
+    _check_shapes(q, k, v, g, beta)
+    b, s, hv, vd = v.shape
+    kd = k.shape[-1]
+    if initial_state is not None and initial_state.shape != (b, hv, kd, vd):
+        raise ValueError(f"initial_state must be [b, h_v, K, V] = {(b, hv, kd, vd)}, got {tuple(initial_state.shape)}")
+    # None without ids: fla then runs the batch as it is, with no host synchronization to find document starts
+    resets = None if document_ids is None else _resets(document_ids, previous_document_id, b, s, v.device)
+    scale = kd ** -0.5 if scale is None else scale
+    if summary:
+        return fla_summary(q, k, v, g, beta, resets=resets, scale=scale, qk_l2norm=qk_l2norm)
+    return fla_rule(q, k, v, g, beta, initial_state=initial_state, resets=resets, scale=scale, qk_l2norm=qk_l2norm)

@@ -34,7 +34,7 @@ def _with_ulp(ref_err, max_truth):
 
 
 def test_dsa_sparse_attention(report, device):
-    from tests.attention import test_sparse as sparse
+    from tests.attention.dsa import test_sparse_attention as sparse
 
     report.start("single", "dsa sparse attention k20")
     attn, indexer, order = sparse.model_inputs()
@@ -52,7 +52,7 @@ def test_dsa_sparse_attention(report, device):
 
 @pytest.mark.parametrize("topk", [None, 20], ids=["dense", "sparse-k20"])
 def test_dsa_indexer_loss(report, device, topk):
-    from tests.attention import test_dsa_loss as loss
+    from tests.attention.dsa import test_indexer_loss as loss
 
     check = f"dsa indexer loss {'dense' if topk is None else 'sparse-k20'}"
     report.start("single", check)
