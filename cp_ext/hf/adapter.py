@@ -101,6 +101,11 @@ class Adapter:
         tied = self.c.get("tie_word_embeddings", False)
         return {n for n in names if (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq")}
 
+    def export_config(self, config):
+        """config.json as the export writes it: the import's (a family that imports part of a checkpoint
+        rewrites it for that part)."""
+        return config
+
     def _get(self, hf, name, shape):
         self.used.add(name)
         return hf.get(name, shape)

@@ -265,7 +265,7 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None) -> Exported:
         for name in TOKENIZER_FILES:
             if (kept / name).is_file():
                 shutil.copy(kept / name, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(adapter.export_config(config), indent=2) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

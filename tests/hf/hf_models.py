@@ -4,11 +4,15 @@ one shows. `SHARDS`: how each is saved (sharded with an index at that size, or o
 
 SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek_v3_no_q_lora": None,
           "gpt_oss": "40KB", "deepseek_v32": "60KB"}
+# the Gated DeltaNet hybrids (tests/hf/test_qwen3_next.py: scored by their own worker, not tools/generate.py)
+LINEAR_SHARDS = {"qwen3_next": "40KB", "qwen3_5_moe": None}
 
 
 def _config(family):
     from transformers import DeepseekV3Config, DeepseekV32Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
+    if family in LINEAR_SHARDS:
+        return _linear_config(family)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -65,6 +69,29 @@ def _config(family):
         max_position_embeddings=128, routed_scaling_factor=1.0)
 
 
+def _linear_config(family):
+    """Qwen3-Next's and Qwen3.5-MoE's shapes in miniature: softmax layers with q/k norms, the output gate and GQA
+    (4 heads of 16 over 2 groups), Gated DeltaNet layers with 2 key heads of 8 serving 4 value heads of 8 and a
+    4-tap conv, 4 experts (top 2) with a gated shared expert.
+    * Qwen3-Next: linear and softmax layers alternating (full_attention_interval 2), a dense first layer
+      (mlp_only_layers), the top 2 not renormalized (--moe-router-pre-softmax), the release's RoPE on a
+      quarter of each head;
+    * Qwen3.5-MoE: layer_types full, linear, linear, full (megatron's every-N rule cannot say it: the 0/1
+      list), MoE on every layer, tied embeddings, RoPE on half of each head (its mrope is plain RoPE for text)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    shared = dict(vocab_size=384, hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256)
+    if family == "qwen3_next":
+        return Qwen3NextConfig(intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+                               full_attention_interval=2, tie_word_embeddings=False, **shared)
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    return Qwen3_5MoeTextConfig(layer_types=types, tie_word_embeddings=True, rope_parameters=rope, **shared)
+
+
 def tiny_hf(family, **config_changes):
     import torch
     from transformers import AutoModelForCausalLM
@@ -76,11 +103,36 @@ def tiny_hf(family, **config_changes):
     # permutation, a head order) moves the log-probs by far more than the 1e-4 the tests allow
     config.initializer_range = 0.1
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return _perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), family)
+
+
+def tiny_qwen3_5_moe_multimodal():
+    """A Qwen3_5MoeForConditionalGeneration: the qwen3_5_moe language model (untied here, by the top-level
+    tie_word_embeddings that transformers reads) beside a one-block vision tower."""
+    import torch
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = _linear_config("qwen3_5_moe").to_dict()
+    config = Qwen3_5MoeConfig(text_config=dict(text, initializer_range=0.1), tie_word_embeddings=False,
+                              vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                                                 out_hidden_size=32, patch_size=4, num_position_embeddings=16))
+    torch.manual_seed(3)
+    return _perturbed(Qwen3_5MoeForConditionalGeneration(config).eval(), "qwen3_5_moe")
+
+
+def _perturbed(model, family):
+    import torch
+
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name:
+            if name.endswith("linear_attn.norm.weight"):
+                # the gated norm's gain w itself (megatron stores w - 1): kept in [0.5, 2], where w - 1 is exact in
+                # fp32 (Sterbenz), so that the export gives w back bit for bit
+                p.add_(torch.randn_like(p) * 0.2).clamp_(0.5, 2.0)
+            elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("linear_attn.dt_bias"):  # ones at init: a dropped or shuffled dt_bias would not show
+                p.add_(torch.randn_like(p) * 0.5)
             elif name.endswith("e_score_correction_bias"):  # zero at init: a dropped bias would not show
                 p.copy_(torch.randn_like(p) * 0.3)
             elif family == "gpt_oss" and name.endswith("sinks"):

@@ -2,9 +2,9 @@
 own GDN, and itself at CP = 1.
 
 (a) One process (`run_code`), CP = TP = 1, both megatron releases: weights copied from transformers 5.25's
-    ``Qwen3NextGatedDeltaNet`` through `hf_to_megatron_state_dict` (the future HF adapter's core), s = 100 (not a
-    multiple of the 64-token chunk): the output and every parameter gradient (compared through the mapping)
-    equal transformers' in fp32 to 1e-5 of the largest reference value. fp32 only: transformers' torch rule
+    ``Qwen3NextGatedDeltaNet`` through `cp_ext.hf.gated_delta_net_layout.hf_to_megatron_state_dict` (the HF import's layout),
+    s = 100 (not a multiple of the 64-token chunk): the output and every parameter gradient (compared through
+    the mapping) equal transformers' in fp32 to 1e-5 of the largest reference value. fp32 only: transformers' torch rule
     casts to fp32 itself, so fp64 would still compare against fp32 arithmetic.
 (b) The same process, megatron-core >= 0.19 only: the state dict loads by name (strict) into megatron's own
     ``GatedDeltaNet`` (ColumnParallelLinear / torch RMSNorm / RowParallelLinear, ``deterministic_mode``: its
@@ -66,7 +66,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 from cp_ext.megatron_version import at_least, installed
-from cp_ext.transformer.gated_delta_net import GatedDeltaNet, hf_to_megatron_state_dict
+from cp_ext.hf.gated_delta_net_layout import hf_to_megatron_state_dict
+from cp_ext.transformer.gated_delta_net import GatedDeltaNet
 from tests.transformer.test_gated_delta_net import DIMS, HIDDEN, KERNEL, _config
 torch.set_num_threads(1)
 results = {}
@@ -183,7 +184,8 @@ def main():
 
     from cp_ext import parallel_state as ps
     from cp_ext.platform import setup_platform
-    from cp_ext.transformer.gated_delta_net import GatedDeltaNet, tp_shard_state_dict
+    from cp_ext.hf.gated_delta_net_layout import tp_shard_state_dict
+    from cp_ext.transformer.gated_delta_net import GatedDeltaNet
 
     setup_platform("cpu")
     dist.init_process_group("gloo")
