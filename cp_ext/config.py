@@ -50,8 +50,9 @@ class ContextParallelTransformerConfig(TransformerConfig):
     config refuses it with CP > 1, and 0.19's spec builders swap in modules of their own when it is set."""
 
     linear_attention_variant: Optional[str] = None
-    """``--experimental-attention-variant gated_delta_net``: the layers ``linear_attention_freq`` marks are Gated
-    DeltaNet (`cp_ext.transformer.gated_delta_net`), exact under CP by state passing. megatron's own
+    """``--experimental-attention-variant gated_delta_net`` (or ``kda``): the layers ``linear_attention_freq`` marks are
+    Gated DeltaNet (`cp_ext.transformer.gated_delta_net`; Kimi Delta Attention, `cp_ext.transformer.
+    kimi_delta_attention`), exact under CP by state passing. megatron's own
     ``experimental_attention_variant`` stays None, as for DSA: 0.16.1's config refuses GDN under CP, 0.19's
     requires the heads to split over TP x CP, and its spec builders would put megatron's GDN in the seat."""
 

@@ -15,7 +15,7 @@ with ``--no-load-optim`` (the parse-time check says so).
 
 from cp_ext.flag_types import POSITIVE
 
-VARIANTS = ("dsa", "gated_delta_net")
+VARIANTS = ("dsa", "gated_delta_net", "kda")
 DSA_SIZE_FLAGS = {"dsa_indexer_n_heads": "--dsa-indexer-n-heads", "dsa_indexer_head_dim": "--dsa-indexer-head-dim",
                   "dsa_indexer_topk": "--dsa-indexer-topk"}
 V32_SIZES = {"dsa_indexer_n_heads": 64, "dsa_indexer_head_dim": 128, "dsa_indexer_topk": 2048}
@@ -25,7 +25,8 @@ def add_dsa_args(g):
     g.add_argument("--experimental-attention-variant", choices=VARIANTS, default=None,
                    help="dsa: DeepSeek-V3.2's sparse attention (with --multi-latent-attention), exact on the CP ring "
                         "and all-gather; gated_delta_net: Qwen3-Next's linear attention on the layers "
-                        "--linear-attention-freq names, exact under CP by state passing")
+                        "--linear-attention-freq names, exact under CP by state passing; kda: Kimi-Linear's Kimi "
+                        "Delta Attention there, the same way")
     g.add_argument("--dsa-indexer-n-heads", type=POSITIVE, default=None,
                    help="DSA: the lightning indexer's heads (DeepSeek-V3.2: 64)")
     g.add_argument("--dsa-indexer-head-dim", type=POSITIVE, default=None,

@@ -1,5 +1,6 @@
-"""Linear-attention hybrids (Qwen3-Next, Qwen3.5-MoE): megatron-core's Gated DeltaNet flags, Megatron-LM's
-spelling and meaning (megatron-core's ``TransformerConfig`` fields of the same names, 0.16.1 through 0.19.x).
+"""Linear-attention hybrids (Qwen3-Next, Qwen3.5-MoE; Kimi-Linear): megatron-core's Gated DeltaNet flags,
+Megatron-LM's spelling and meaning (megatron-core's ``TransformerConfig`` fields of the same names, 0.16.1 through
+0.19.x).
 
 ``--experimental-attention-variant gated_delta_net`` with ``--linear-attention-freq N`` makes layer i a Gated
 DeltaNet layer unless (i + 1) % N == 0, where it keeps softmax attention (N = 4: three linear layers to one
@@ -10,8 +11,14 @@ of 128), and a causal depthwise conv of ``--linear-conv-kernel-dim`` taps (4). T
 families gate their output (``--attention-output-gate``) and the shared expert is gated
 (``--moe-shared-expert-gate``): megatron-core's own modules read both.
 
-Under context parallelism the GDN layers keep the softmax layers' token partition and pass states
-(`cp_ext.transformer.gated_delta_net`); megatron-core's own GDN splits heads instead and refuses CP on 0.16.1.
+``--experimental-attention-variant kda`` (Megatron-LM's name for Kimi Delta Attention) puts Kimi-Linear's KDA
+(`cp_ext.transformer.kimi_delta_attention`) on the same layers with the same size flags: its decay is per key
+channel, it has no grouped value heads (``--linear-num-value-heads`` equals ``--linear-num-key-heads``; Kimi-Linear:
+32 of 128), and its low-rank gates have the head dim as rank.
+
+Under context parallelism the linear layers keep the softmax layers' token partition and pass states
+(`cp_ext.transformer.gated_delta_net`, `cp_ext.transformer.kimi_delta_attention`); megatron-core's own GDN splits
+heads instead and refuses CP on 0.16.1.
 """
 
 from cp_ext.flag_types import POSITIVE, layer_freq_type
@@ -24,24 +31,25 @@ LINEAR_SIZE_FLAGS = {
     "linear_num_key_heads": ("--linear-num-key-heads", 16, 16),
     "linear_num_value_heads": ("--linear-num-value-heads", 32, 32),
 }
-LINEAR_VARIANTS = ("gated_delta_net",)
+LINEAR_VARIANTS = ("gated_delta_net", "kda")
 
 
 def add_linear_attention_args(g):
     g.add_argument("--linear-attention-freq", type=layer_freq_type, default=None,
-                   help="with --experimental-attention-variant gated_delta_net: N = every N-th layer keeps softmax "
-                        "attention, the others are linear (Qwen3-Next: 4), or a 0/1 list per layer such as "
-                        "([1]*3+[0])*12 (1: linear)")
+                   help="with --experimental-attention-variant gated_delta_net or kda: N = every N-th layer keeps "
+                        "softmax attention, the others are linear (Qwen3-Next, Kimi-Linear: 4), or a 0/1 list per "
+                        "layer such as ([1]*3+[0])*12 (1: linear)")
     g.add_argument("--linear-conv-kernel-dim", type=POSITIVE, default=4,
-                   help="Gated DeltaNet: taps of the causal depthwise conv over q, k, v (default 4)")
+                   help="Gated DeltaNet, KDA: taps of the causal depthwise conv over q, k, v (default 4)")
     g.add_argument("--linear-key-head-dim", type=POSITIVE, default=128,
-                   help="Gated DeltaNet: query/key head dim (default 128)")
+                   help="Gated DeltaNet, KDA: query/key head dim (default 128)")
     g.add_argument("--linear-value-head-dim", type=POSITIVE, default=128,
-                   help="Gated DeltaNet: value/gate head dim (default 128)")
+                   help="Gated DeltaNet, KDA: value/gate head dim (default 128)")
     g.add_argument("--linear-num-key-heads", type=POSITIVE, default=16,
-                   help="Gated DeltaNet: query/key heads (default 16)")
+                   help="Gated DeltaNet, KDA: query/key heads (default 16)")
     g.add_argument("--linear-num-value-heads", type=POSITIVE, default=32,
-                   help="Gated DeltaNet: value/gate heads, a multiple of the key heads (default 32)")
+                   help="Gated DeltaNet: value/gate heads, a multiple of the key heads (default 32); KDA: equal to "
+                        "the key heads")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="softmax attention's output times sigmoid(gate), the gate projected with q (Qwen3-Next, "
                         "Qwen3.5: megatron-core's attention_output_gate)")
@@ -61,19 +69,18 @@ def _given_without_variant(args):
     flags = [flag for dest, (flag, default, _) in LINEAR_SIZE_FLAGS.items() if getattr(args, dest) != default]
     flags += ["--linear-attention-freq"] if args.linear_attention_freq is not None else []
     return [f"{flag} applies to linear attention layers; add --experimental-attention-variant gated_delta_net "
-            f"(and --linear-attention-freq) or drop it" for flag in flags]
+            f"or kda (and --linear-attention-freq) or drop it" for flag in flags]
 
 
-def _cp_problems(args):
+def _cp_problems(args, variant):
     """State passing runs on the ring's token layout; Ulysses (and dynamic CP) exchange or re-deal tokens."""
     p = []
     if args.context_parallel_size > 1 and args.ulysses_size not in (None, 1):
-        p.append(f"--experimental-attention-variant gated_delta_net passes its state along the CP ring's token "
-                 f"layout: use --cp-comm-type p2p or all_gather for the softmax layers (this run: Ulysses size "
-                 f"{args.ulysses_size}, which the linear layers do not support yet)")
+        p.append(f"{variant} passes its state along the CP ring's token layout: use --cp-comm-type p2p or "
+                 f"all_gather for the softmax layers (this run: Ulysses size {args.ulysses_size}, which the linear "
+                 f"layers do not support yet)")
     if getattr(args, "dynamic_context_parallel", False):
-        p.append("--dynamic-context-parallel is not supported with --experimental-attention-variant gated_delta_net "
-                 "yet; drop one of them")
+        p.append(f"--dynamic-context-parallel is not supported with {variant} yet; drop one of them")
     return p
 
 
@@ -102,7 +109,12 @@ def linear_attention_problems(args):
         if heads % tp:
             p.append(f"{flag} {heads} is not divisible by --tensor-model-parallel-size {tp}: each TP rank holds "
                      f"whole heads; pick a TP size that divides it")
-    if args.linear_num_value_heads % args.linear_num_key_heads:
+    if args.experimental_attention_variant == "kda":
+        if args.linear_num_value_heads != args.linear_num_key_heads:
+            p.append(f"{variant} has no grouped value heads: --linear-num-value-heads {args.linear_num_value_heads} "
+                     f"must equal --linear-num-key-heads {args.linear_num_key_heads} (Kimi-Linear: 32 and 32); give "
+                     f"both the same")
+    elif args.linear_num_value_heads % args.linear_num_key_heads:
         p.append(f"--linear-num-value-heads {args.linear_num_value_heads} must be a multiple of "
                  f"--linear-num-key-heads {args.linear_num_key_heads}: each key head serves a group of value heads")
-    return p + _cp_problems(args)
+    return p + _cp_problems(args, variant)

@@ -7,7 +7,7 @@ defaults are Megatron-LM's, so a script that omits a flag builds what Megatron-L
 defaults to 0, not 0.1 (cp_ext's CP attention runs without dropout; see --attention-dropout).
 """
 
-from cp_ext.flag_types import FRACTION, POSITIVE, number
+from cp_ext.flag_types import FRACTION, POSITIVE, layer_freq_type, number
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
 # --enable-gpt-oss: the YaRN that Megatron-LM's post-training model builder sets for GPT-OSS
@@ -74,6 +74,11 @@ def _add_position_embedding_args(g):
                         "--rope-type), or none (NoPE)")
     g.add_argument("--max-position-embeddings", type=POSITIVE, default=None,
                    help="rows of the learned position table, and RoPE's length; defaults to --seq-length")
+    g.add_argument("--no-rope-freq", type=layer_freq_type, default=None,
+                   help="layers without RoPE (NoPE; megatron-core's no_rope_freq): N = every N-th layer (Llama 4: 4), "
+                        "or a 0/1 list per layer such as ([0]*3+[1])*12 (1: no RoPE). Read by softmax attention "
+                        "(megatron's) and by --multi-latent-attention, whose shared key part then stays unrotated "
+                        "(Kimi-Linear: 1, every MLA layer)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="deprecated (Megatron-LM's): --position-embedding-type rope")
     g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false", default=True,
@@ -167,6 +172,7 @@ def network_problems(args):
                       ("--use-rope-scaling", args.use_rope_scaling), ("--rotary-percent", args.rotary_percent != 1.0)):
         if off and not rope and not args.multi_latent_attention:
             p.append(f"{flag} is only read with RoPE; add --position-embedding-type rope or drop it")
+    p.extend(_no_rope_problems(args, rope))
     if args.use_rope_scaling and args.position_embedding_type != "rope":
         p.append("--use-rope-scaling scales plain RoPE's frequencies; it needs --position-embedding-type rope")
     if args.rotary_interleaved and args.multi_latent_attention:
@@ -181,6 +187,28 @@ def network_problems(args):
                  f"--expert-tensor-parallel-size up to --tensor-model-parallel-size {tp}, and it is {etp}; lower it "
                  f"or add --disable-bias-linear")
     return p + _mtp_problems(args)
+
+
+def _no_rope_problems(args, rope):
+    """--no-rope-freq: megatron-core's pattern (an int N dividing the layers, or one 0/1 per layer) over layers that
+    rotate at all."""
+    freq = args.no_rope_freq
+    if freq is None:
+        return []
+    p = []
+    if isinstance(freq, int) and args.num_layers % freq:
+        p.append(f"--no-rope-freq {freq} does not divide --num-layers {args.num_layers} (megatron-core repeats "
+                 f"{freq - 1} RoPE layers and one without); give a 0/1 list per layer (1: no RoPE) instead")
+    elif not isinstance(freq, int) and len(freq) != args.num_layers:
+        p.append(f"--no-rope-freq lists {len(freq)} layers but --num-layers is {args.num_layers}; give one 0/1 per "
+                 f"layer (1: no RoPE)")
+    if not rope and not args.multi_latent_attention:
+        p.append(f"--no-rope-freq skips RoPE on some layers, but --position-embedding-type "
+                 f"{args.position_embedding_type} rotates none; add --position-embedding-type rope or drop it")
+    if getattr(args, "experimental_attention_variant", None) == "dsa":
+        p.append("--no-rope-freq is not supported with --experimental-attention-variant dsa yet (the indexer rotates "
+                 "its own key); drop one of them")
+    return p
 
 
 def _mla_yarn_problems(args):

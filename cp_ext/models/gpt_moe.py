@@ -19,7 +19,8 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear    (that, and biased experts: GPT-OSS)
       self_attention on the layers --linear-attention-freq marks linear (--experimental-attention-variant
                          gated_delta_net) -> cp_ext GatedDeltaNet (megatron 0.19's parameters, CP by state
-                         passing: `cp_ext.transformer.gated_delta_net`), in a copy of that layer's spec
+                         passing: `cp_ext.transformer.gated_delta_net`), or (kda) cp_ext KimiDeltaAttention
+                         (Kimi-Linear, `cp_ext.transformer.kimi_delta_attention`), in a copy of that layer's spec
     final_layernorm      -> cp_ext SequenceParallelNorm
     mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
                             shards), its norms SequenceParallelNorm, its layer the last one's seats
@@ -62,6 +63,7 @@ from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
 from cp_ext.transformer.gated_delta_net import GatedDeltaNet
+from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention, dt_bias_init
 from cp_ext.transformer.experts import ExpertColumnParallelLinear, ExpertRowParallelLinear
 from cp_ext.transformer.mla import ContextParallelMLASelfAttention
 from cp_ext.transformer.norms import SequenceParallelNorm
@@ -108,10 +110,15 @@ def get_decoder_block_spec(config: TransformerConfig, linear_layers: bool = True
     return block
 
 
+LINEAR_ATTENTION_MODULES = {"gated_delta_net": GatedDeltaNet, "kda": KimiDeltaAttention}
+
+
 def with_linear_attention(local_specs, config: TransformerConfig):
-    """This stage's layer specs with Gated DeltaNet in the self-attention seat of the linear layers (megatron's
-    `get_linear_attention_pattern`: ``linear_attention_freq`` N makes layer i linear unless (i + 1) % N == 0; a
-    list marks them 1). Each linear layer gets its own copy of the spec, the MLP seat (MoE or dense) shared."""
+    """This stage's layer specs with ``config.linear_attention_variant``'s module (`LINEAR_ATTENTION_MODULES`) in the
+    self-attention seat of the linear layers (megatron's `get_linear_attention_pattern`: ``linear_attention_freq`` N
+    makes layer i linear unless (i + 1) % N == 0; a list marks them 1). Each linear layer gets its own copy of the
+    spec, the MLP seat (MoE or dense) shared."""
+    module = LINEAR_ATTENTION_MODULES[config.linear_attention_variant]
     freq, layers = config.linear_attention_freq, config.num_layers
     pattern = [0 if (i + 1) % freq == 0 else 1 for i in range(layers)] if isinstance(freq, int) else list(freq)
     offset = get_transformer_layer_offset(config)
@@ -120,7 +127,7 @@ def with_linear_attention(local_specs, config: TransformerConfig):
         if pattern[offset + local]:
             spec = copy.copy(spec)
             spec.submodules = copy.copy(spec.submodules)
-            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
+            spec.submodules.self_attention = ModuleSpec(module=module)
         out.append(spec)
     return out
 
@@ -204,7 +211,8 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
     if initialize:
         init_weights_layout_invariant(model, seed=args.seed, init_method_std=config.init_method_std,
                                       num_layers=config.num_layers,
-                                      zero_centered_norms=config.layernorm_zero_centered_gamma)
+                                      zero_centered_norms=config.layernorm_zero_centered_gamma,
+                                      linear_attention_variant=getattr(config, "linear_attention_variant", None))
     return model
 
 
@@ -214,20 +222,24 @@ def _key_seed(seed: int, key: str) -> int:
 
 
 def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_layers: int,
-                      zero_centered_norms: bool = False) -> torch.Tensor:
+                      zero_centered_norms: bool = False, linear_attention_variant=None) -> torch.Tensor:
     """The full tensor of one unit (see cp_ext.models.parameter_slices), drawn as megatron's default init would.
 
     `key` (the checkpoint key) decides the distribution; `unit` seeds the generator. Norm weights start at
     1, or 0 where the norm scales by 1 + weight (``zero_centered_norms``, --apply-layernorm-1p). Gated
     DeltaNet's as megatron's GDN: ``dt_bias`` 1, ``A_log`` = log U(1, 16), the depthwise conv torch's default
-    U(-1/sqrt(taps), 1/sqrt(taps)).
+    U(-1/sqrt(taps), 1/sqrt(taps)). Kimi Delta Attention's (``linear_attention_variant`` "kda") as FLA's and
+    Megatron-LM's: ``A_log`` the same, ``dt_bias`` per head and key channel softplus^-1 of a log-uniform step in
+    [1e-3, 0.1] (`cp_ext.transformer.kimi_delta_attention.dt_bias_init`).
     """
     name = key.rsplit(".", 1)[-1]
     if "norm" in name and name.endswith("weight") or key.endswith("norm.weight"):
         return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
+    generator = torch.Generator().manual_seed(_key_seed(seed, unit))
+    if name == "dt_bias" and linear_attention_variant == "kda":
+        return dt_bias_init(torch.rand(shape, generator=generator))
     if name.endswith("bias") or name == "dt_bias":
         return torch.ones(shape) if name == "dt_bias" else torch.zeros(shape)
-    generator = torch.Generator().manual_seed(_key_seed(seed, unit))
     if name == "A_log":
         return torch.empty(shape).uniform_(1, 16, generator=generator).log()
     if ".conv1d.weight" in key:
@@ -240,7 +252,7 @@ def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_lay
 
 @torch.no_grad()
 def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method_std: float, num_layers: int,
-                                  zero_centered_norms: bool = False) -> None:
+                                  zero_centered_norms: bool = False, linear_attention_variant=None) -> None:
     """Fill every parameter with its slice of a full tensor seeded by (seed, global key).
 
     Raises if any parameter is not covered, so a new module type cannot silently keep
@@ -255,7 +267,7 @@ def init_weights_layout_invariant(model: torch.nn.Module, seed: int, init_method
         if piece.unit != last_unit:
             last_unit = piece.unit
             last_full = _init_full_tensor(piece.key, piece.unit, piece.unit_shape, seed, init_method_std, num_layers,
-                                          zero_centered_norms)
+                                          zero_centered_norms, linear_attention_variant)
         piece.local.copy_(last_full[piece.index].to(piece.local.dtype))
         base = piece.local._base if piece.local._base is not None else piece.local
         covered.update((id(base), id(piece.local)))

@@ -16,6 +16,11 @@ used (`cp_ext.attention.cp.kv_message.LatentKV`): ``kv_lora_rank + qk_pos_emb_he
 token instead of ``heads x (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)``. ``auto`` takes the
 latent wherever it is exchanged and smaller: CP > 1 on the ring or all-gather (Ulysses exchanges
 heads, which the latent has not), tensor parallelism 1.
+
+NoPE (``--no-rope-freq``, megatron-core's ``config.no_rope_freq``, which megatron's softmax attention reads and its
+MLA does not): on a layer it marks, this module leaves q_pe and the shared key part k_pe unrotated, so they are
+plain, position-free dims of the query and the key (Kimi-Linear's MLA layers, transformers'
+``KimiLinearAttention``); everything else, the latent exchange included, is unchanged.
 """
 
 import weakref
@@ -72,6 +77,8 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         self.core_attention.latent_source = weakref.ref(self)  # where the core finds W_up (not a submodule)
         core = self.core_attention
         self.rotary_pos_emb.decode_position = lambda: _decoding_position(core)
+        pattern = config.no_rope_freq or []  # megatron's list by now (its config expands an int N)
+        self.no_rope = bool(pattern[layer_number - 1]) if layer_number - 1 < len(pattern) else False
 
     def _resolve_qk_norm_config(self, submodules):
         """megatron-core 0.19's choice of the q/kv norms and projections (it has no such step before 0.19).
@@ -105,12 +112,15 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                     packed_seq_params=None, inference_context=None, *, inference_params=None):
-        """megatron's, except under the latent exchange (key: the latent, value None) and at TP > 1,
-        where megatron-core 0.16.1 loses gradient: `_projections`."""
+        """megatron's, except under the latent exchange (key: the latent, value None), at TP > 1, where
+        megatron-core 0.16.1 loses gradient, and on a NoPE layer (megatron's MLA always rotates): `_projections`."""
         dynamic = packed_seq_params if isinstance(packed_seq_params, DynamicCPParams) else None
         own = (packed_seq_params is None or dynamic is not None) and inference_context is None and inference_params is None
         latent = own and self.latent_exchange()
-        if not latent and not (own and (self.pg_collection.tp.size() > 1 or dynamic is not None)):
+        if self.no_rope and not own:
+            raise NotImplementedError("--no-rope-freq on a multi-latent attention layer runs without megatron's "
+                                      "packed sequences (THD) and inference context")
+        if not latent and not self.no_rope and not (own and (self.pg_collection.tp.size() > 1 or dynamic is not None)):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, position_ids,
                                                        packed_seq_params, inference_context)
         out = self._projections(hidden_states, latent, dynamic)
@@ -129,14 +139,17 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         gradient over TP. Returns (query, key, value, q_compressed, kv_compressed); with ``latent`` key is
         ``[c | k_pe]`` [s, b, r + p] and value None. The latent exchange runs at TP = 1; DSA also at TP > 1,
         where every rank's heads read the whole latent, so its gradient is summed over TP as k_pe's is.
-        ``dynamic`` (dynamic CP's `DynamicCPParams`): RoPE at each token's position in its document."""
+        ``dynamic`` (dynamic CP's `DynamicCPParams`): RoPE at each token's position in its document. A NoPE layer
+        (``self.no_rope``) rotates nothing."""
         cfg, tp = self.config, self.pg_collection.tp.size()
         r, p = cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
-        if dynamic is not None:  # [s_local, b, 1, dim] rows, as the model's own RoPE under --reset-position-ids
+        if self.no_rope:
+            rows = None
+        elif dynamic is not None:  # [s_local, b, 1, dim] rows, as the model's own RoPE under --reset-position-ids
             rows = self.rotary_pos_emb.at_positions(dynamic.position_ids.t(), dynamic.max_seqlen_q)
         else:
             rows = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(None, None, hidden_states, cfg, None))
-        emb, mscale = (rows, 1.0) if cfg.rope_type == "rope" else rows
+        emb, mscale = (rows, 1.0) if cfg.rope_type == "rope" or rows is None else rows
         q_compressed = hidden_states  # without q-LoRA the query projects the layer input (megatron's naming)
         if cfg.q_lora_rank is not None:
             q_compressed = self.linear_q_down_proj(hidden_states)[0]
@@ -183,17 +196,20 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
 
     def _up_projections_and_rope(self, q_input, c, k_pe, emb, mscale, latent):
         """The local part of MLA's projections: the query's up projection (or the whole query projection
-        without q-LoRA), RoPE on q_pe and k_pe and, without the latent exchange, the K/V up projection.
-        Returns (query, latent key) under the latent exchange, else (query, key, value)."""
+        without q-LoRA), RoPE on q_pe and k_pe (none on a NoPE layer: ``emb`` None) and, without the latent
+        exchange, the K/V up projection. Returns (query, latent key) under the latent exchange, else
+        (query, key, value)."""
         cfg, p = self.config, self.config.qk_pos_emb_head_dim
         q = (self.linear_q_up_proj if cfg.q_lora_rank is not None else self.linear_q_proj)(q_input)[0]
         q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.q_head_dim)
         q_nope, q_pe = q.split([cfg.qk_head_dim, p], dim=-1)
-        emb = emb[: q.shape[0]]
-        # megatron's MLA rotates interleaved pairs (MLA_ROPE_KWARGS says so where the release needs telling)
-        rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp, **MLA_ROPE_KWARGS)
-        q_pe = apply_rotary_pos_emb(q_pe, emb, **rope)
-        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(-2), emb, **rope)  # [s, b, 1, p]
+        k_pe = k_pe.unsqueeze(-2)  # [s, b, 1, p]
+        if emb is not None:
+            emb = emb[: q.shape[0]]
+            # megatron's MLA rotates interleaved pairs (MLA_ROPE_KWARGS says so where the release needs telling)
+            rope = dict(config=cfg, mscale=mscale, cp_group=self.pg_collection.cp, **MLA_ROPE_KWARGS)
+            q_pe = apply_rotary_pos_emb(q_pe, emb, **rope)
+            k_pe = apply_rotary_pos_emb(k_pe, emb, **rope)
         query = torch.cat([q_nope, q_pe], dim=-1)
         if latent:
             return query, torch.cat([c, k_pe.squeeze(-2)], dim=-1)
