@@ -153,10 +153,13 @@ def _chunked(q, k, v, g, beta, resets, state, chunk_size):
     q_start, k_end = q * from_start, k * to_end
 
     outs = []
-    for i in range(n):
-        u = new_values[:, :, i] - k_decayed[:, :, i] @ state
-        outs.append(q_start[:, :, i] @ state + scores[:, :, i] @ u)
-        state = state * through[:, :, i] + k_end[:, :, i].transpose(-1, -2) @ u
+    # unbound once, not indexed per chunk: indexing's backward writes each chunk's gradient into a zero tensor of
+    # the whole sequence (O(n) per chunk, O(n^2) in all); unbind's stacks them once
+    per_chunk = zip(*(x.unbind(2) for x in (new_values, k_decayed, q_start, scores, through, k_end)))
+    for new_v, k_dec, q_st, score, thru, k_e in per_chunk:
+        u = new_v - k_dec @ state
+        outs.append(q_st @ state + score @ u)
+        state = state * thru + k_e.transpose(-1, -2) @ u
     return torch.stack(outs, dim=2).reshape(b, h, n * chunk_size, -1)[:, :, :s], state
 
 

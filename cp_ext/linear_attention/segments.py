@@ -20,9 +20,14 @@ from cp_ext.token_partition import context_parallel_positions
 
 SEGMENTS_PER_RANK = {"zigzag": 2, "contiguous": 1}
 
-# torch 2.13 renames the tensor collectives (*_into_tensor / *_tensor are deprecated there).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renames the tensor collectives (*_into_tensor / *_tensor are deprecated there). Looked up at
+# each call, not bound at import: a recorder that wraps torch.distributed (cp_ext.perf.sent_bytes) sees them.
+def _all_gather_single(out, x, group):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out, x, group):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
 def group_size_rank(group) -> Tuple[int, int]:

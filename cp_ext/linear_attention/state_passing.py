@@ -12,17 +12,24 @@ through the fold into the gathered M and E, and the gather's backward sums them 
 
 Cost per rank, per (batch, head): the summary pass on V + K value columns, one all-gather of
 (segments x K x (K + V)) values, and a fold of up to 2C - 1 (zigzag) K x K by K x V products,
-done redundantly on every rank (C is small; a ring variant could overlap it: not done).
-megatron-core's GDN CP instead all-to-alls the activations to head parallelism and back (O(s d) per rank and
-layer, heads divisible by C); this moves O(K (K + V)) per head and segment and keeps every head.
+done redundantly on every rank. ``exchange="ring"`` (`cp_ext.linear_attention.ring_exchange`) passes the
+running state point to point along the sequence instead: one K x V state per hop, no redundant fold, but
+2C - 2 hops one after the other. megatron-core's GDN CP instead all-to-alls the activations to head
+parallelism and back (`cp_ext.linear_attention.head_parallel`: O(s d) per rank and layer, heads divisible
+by C); this moves O(K (K + V)) per head and segment and keeps every head.
+
+The pieces are public so a benchmark can time the same rank's work without the exchange:
+`local_summaries`, then an exchange, then `apply_states`.
 """
 
 from typing import List, Optional
 
 import torch
 
-from cp_ext.linear_attention.gated_delta import segment_summary
-from cp_ext.linear_attention.segments import gather_in_sequence_order, group_size_rank, rank_segments, zeros_reading
+from cp_ext.linear_attention.gated_delta import SegmentSummary, segment_summary
+from cp_ext.linear_attention.ring_exchange import previous_document_ids, ring_states
+from cp_ext.linear_attention.segments import (RankSegments, gather_in_sequence_order, group_size_rank, rank_segments,
+                                              zeros_reading)
 
 
 def fold_states(transitions: torch.Tensor, contributions: torch.Tensor,
@@ -36,6 +43,9 @@ def fold_states(transitions: torch.Tensor, contributions: torch.Tensor,
     return states
 
 
+EXCHANGES = ("all_gather", "ring")
+
+
 def _previous_document_ids(document_ids, segments, group):
     """[b] id of the token just before each local segment in global order (None for the first segment):
     a segment whose first token starts a document must not receive the state before it."""
@@ -44,9 +54,26 @@ def _previous_document_ids(document_ids, segments, group):
     return [every[j - 1, :, 1] if j > 0 else None for j in segments.ids]
 
 
+def local_summaries(q, k, v, g, beta, *, segments: RankSegments, previous, document_ids=None, chunk_size: int = 64,
+                    scale: Optional[float] = None, qk_l2norm: bool = False,
+                    kernel: str = "auto") -> List[SegmentSummary]:
+    """`segment_summary` of each of this rank's segments (local order); ``previous``: each segment's
+    previous document id (None: none known, or the first segment)."""
+    return [segment_summary(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=chunk_size,
+                            document_ids=None if document_ids is None else document_ids[:, sl],
+                            previous_document_id=prev, scale=scale, qk_l2norm=qk_l2norm, kernel=kernel)
+            for sl, prev in zip(segments.slices(), previous)]
+
+
+def apply_states(summaries: List[SegmentSummary], states: List[torch.Tensor]) -> torch.Tensor:
+    """o = o0 + Qtilde S_in for each local segment, concatenated: [b, s_local, h_v, V] (accumulation dtype)."""
+    return torch.cat([s.o0 + torch.einsum("bshk,bhkv->bshv", s.qtilde, state) for s, state in zip(summaries, states)],
+                     dim=1)
+
+
 def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigzag", document_ids=None,
-                                 chunk_size: int = 64, scale: Optional[float] = None,
-                                 qk_l2norm: bool = False) -> torch.Tensor:
+                                 chunk_size: int = 64, scale: Optional[float] = None, qk_l2norm: bool = False,
+                                 exchange: str = "all_gather", kernel: str = "auto") -> torch.Tensor:
     """The gated delta rule on this rank's shard of a CP-sharded sequence; equals `gated_delta_rule` on the
     whole sequence (from a zero state) at this rank's positions. Returns o [b, s_local, h_v, V] in v's dtype.
 
@@ -54,21 +81,31 @@ def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigz
     DeltaNet) or [b, s_local, h_v, K] (KDA): this rank's tokens in `cp_ext.token_partition`'s ``layout``
     over ``group`` ("zigzag" or "contiguous"); ``scale``, ``qk_l2norm``: `gated_delta_rule`'s. ``document_ids``
     [b, s_local]: this rank's ids of packed documents (the state resets wherever the id changes in global
-    order, across ranks included). Every rank of ``group`` must call it (one all-gather; two with documents).
+    order, across ranks included). ``exchange``: "all_gather" (every segment's (M, E) to every rank, one
+    collective; two with documents) or "ring" (the state passed point to point along the sequence,
+    `cp_ext.linear_attention.ring_exchange`). ``kernel``: `segment_summary`'s ("auto": fla on CUDA when it
+    imports). Every rank of ``group`` must call it.
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"state passing's exchange is one of {EXCHANGES}, not {exchange!r}")
     size, rank = group_size_rank(group)
     segments = rank_segments(q.shape[1], layout, rank, size)
-    previous = (_previous_document_ids(document_ids, segments, group) if document_ids is not None
-                else [None] * len(segments.ids))
-    summaries = [segment_summary(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=chunk_size,
-                                 document_ids=None if document_ids is None else document_ids[:, sl],
-                                 previous_document_id=prev, scale=scale, qk_l2norm=qk_l2norm)
-                 for sl, prev in zip(segments.slices(), previous)]
-    kd = summaries[0].transition.shape[-1]
-    # M and E side by side: one gather; [per-rank segments, b, h, K, K + V]
-    mine = torch.stack([torch.cat([s.transition, s.contribution], dim=-1) for s in summaries])
-    every = gather_in_sequence_order(mine, group, segments)
-    states = fold_states(every[..., :kd], every[..., kd:], count=max(segments.ids) + 1)
-    outs = [s.o0 + torch.einsum("bshk,bhkv->bshv", s.qtilde, states[j]) for s, j in zip(summaries, segments.ids)]
-    return torch.cat(outs, dim=1).to(v.dtype)
-
+    if document_ids is None:
+        previous = [None] * len(segments.ids)
+    elif exchange == "ring":
+        previous = previous_document_ids(document_ids, group=group, segments=segments, rank=rank)
+    else:
+        previous = _previous_document_ids(document_ids, segments, group)
+    summaries = local_summaries(q, k, v, g, beta, segments=segments, previous=previous, document_ids=document_ids,
+                                chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm, kernel=kernel)
+    transitions = torch.stack([s.transition for s in summaries])  # [per-rank segments, b, h, K, K]
+    contributions = torch.stack([s.contribution for s in summaries])  # [per-rank segments, b, h, K, V]
+    if exchange == "ring":
+        states = list(ring_states(transitions, contributions, group=group, segments=segments, rank=rank))
+    else:
+        kd = transitions.shape[-1]
+        # M and E side by side: one gather; [all segments, b, h, K, K + V] in sequence order
+        every = gather_in_sequence_order(torch.cat([transitions, contributions], dim=-1), group, segments)
+        folded = fold_states(every[..., :kd], every[..., kd:], count=max(segments.ids) + 1)
+        states = [folded[j] for j in segments.ids]
+    return apply_states(summaries, states).to(v.dtype)

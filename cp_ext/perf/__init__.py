@@ -2,7 +2,9 @@
 sites and by formula) and per-rank memory formulas.
 
 * `cp_ext.perf.counter`: the opt-in byte counter the attention call sites report to;
-* `cp_ext.perf.comm`: the formulas for bytes sent per rank by the ring, Ulysses, TP and EP;
+* `cp_ext.perf.comm`: the formulas for bytes sent per rank by the ring, Ulysses, TP and EP, and by
+  linear attention's CP methods (state passing, head parallelism, the hybrid, the conv halo);
+* `cp_ext.perf.sent_bytes`: the bytes a run's torch.distributed calls really send, recorded by wrapping them;
 * `cp_ext.perf.memory`: parameter counts and per-rank memory (weights, grads, optimizer,
   activations, attention state) used by the planner (``tools/plan_parallelism.py``);
 * `cp_ext.perf.parallelism_planner`: the planner itself, ranking TP x PP x CP x DP x EP grids;
