@@ -12,7 +12,9 @@
    decode path: exact, no padding, nothing masked.
 3. **Decode**: each new token runs through the model on every CP rank (the same hidden state),
    its attention against the sharded cache (`cp_ext.inference.kv_cache`), RoPE at its global
-   position. Every rank computes the same logits, so every rank samples the same token.
+   position; a linear-attention layer continues from its state and conv tail, the same on every
+   rank (`cp_ext.linear_attention.generation_state`). Every rank computes the same logits, so every rank
+   samples the same token.
 
 Pipeline stages pass the prompt's (then each token's) hidden states on with send/recv; the last
 stage picks the token and broadcasts it over the pipeline group. Tensor parallelism: heads (and
@@ -36,6 +38,8 @@ from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import DSACoreAttention
+from cp_ext.transformer.gated_delta_net import GatedDeltaNet
+from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention
 
 
 @dataclass
@@ -97,7 +101,14 @@ class Generator:
         self.model, self.config = model, model.config
         self.device = next(model.parameters()).device
         self.model.eval()
-        self.attention = [m for m in self.model.modules() if isinstance(m, (CoreAttention, DSACoreAttention))]
+        # every layer that keeps something for the next token: the softmax layers' core attention (their KV
+        # cache share) and the linear-attention layers (their state and conv tail)
+        self.attention = [m for m in self.model.modules()
+                          if isinstance(m, (CoreAttention, DSACoreAttention, GatedDeltaNet))]
+        if any(isinstance(m, KimiDeltaAttention) for m in self.model.modules()):
+            # its layers would decode each token from an empty state: refused rather than wrong
+            raise NotImplementedError("generation with Kimi Delta Attention layers (--experimental-attention-variant "
+                                      "kda) is not built yet: their state is not cached; Gated DeltaNet's is")
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()

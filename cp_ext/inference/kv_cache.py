@@ -109,6 +109,8 @@ class ShardedKVCache:
         self.room, self.kernel, self.layout = room, kernel, layout
         self.decoding = False  # False: the model's attention runs a prefill and stores its k, v here
         self.decoded = 0  # tokens decoded so far: who appends the next one
+        # linear-attention layers' states and conv tails, by layer (`cp_ext.linear_attention.generation_state`)
+        self.linear = {}
         self.position = 0  # the global position of the token being decoded (set by the generator)
 
     # ------------------------------------------------------------ prefill
@@ -138,6 +140,7 @@ class ShardedKVCache:
         """Empty caches, for a prompt too short for any CP prefill (every token is decoded): each
         layer's is made by its first decode step, shaped like what that layer caches."""
         self.layers = [None] * len(self.layers)
+        self.linear = {}
 
     def _empty_layer(self, k: torch.Tensor, v: Optional[torch.Tensor]) -> LayerKVCache:
         """An empty cache for rows like ``k`` / ``v`` [b, hk', d] (this rank's share of one token)."""
@@ -228,5 +231,6 @@ class ShardedKVCache:
         return out.permute(2, 0, 1, 3)
 
     def bytes_held(self) -> int:
-        """The cache bytes this rank holds (keys and values, or latents; filled part)."""
-        return sum(c.length * c.bytes_per_token() for c in self.layers if c)
+        """The cache bytes this rank holds (keys and values, or latents; filled part; linear layers' states)."""
+        return (sum(c.length * c.bytes_per_token() for c in self.layers if c)
+                + sum(state.bytes_held() for state in self.linear.values()))

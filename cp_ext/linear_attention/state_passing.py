@@ -73,7 +73,7 @@ def apply_states(summaries: List[SegmentSummary], states: List[torch.Tensor]) ->
 
 def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigzag", document_ids=None,
                                  chunk_size: int = 64, scale: Optional[float] = None, qk_l2norm: bool = False,
-                                 exchange: str = "all_gather", kernel: str = "auto") -> torch.Tensor:
+                                 exchange: str = "all_gather", kernel: str = "auto", output_final_state: bool = False):
     """The gated delta rule on this rank's shard of a CP-sharded sequence; equals `gated_delta_rule` on the
     whole sequence (from a zero state) at this rank's positions. Returns o [b, s_local, h_v, V] in v's dtype.
 
@@ -84,8 +84,12 @@ def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigz
     order, across ranks included). ``exchange``: "all_gather" (every segment's (M, E) to every rank, one
     collective; two with documents) or "ring" (the state passed point to point along the sequence,
     `cp_ext.linear_attention.ring_exchange`). ``kernel``: `segment_summary`'s ("auto": fla on CUDA when it
-    imports). Every rank of ``group`` must call it.
+    imports). Every rank of ``group`` must call it. ``output_final_state`` (all-gather exchange only, where every
+    rank holds every summary): also the state after the sequence's last token, the same on every rank, by one
+    more step of the fold: (o, S [b, h_v, K, V] fp32) -- what generation continues from.
     """
+    if output_final_state and exchange != "all_gather":
+        raise ValueError("output_final_state needs the all-gather exchange (every rank folds every segment)")
     if exchange not in EXCHANGES:
         raise ValueError(f"state passing's exchange is one of {EXCHANGES}, not {exchange!r}")
     size, rank = group_size_rank(group)
@@ -106,6 +110,8 @@ def context_parallel_gated_delta(q, k, v, g, beta, *, group, layout: str = "zigz
         kd = transitions.shape[-1]
         # M and E side by side: one gather; [all segments, b, h, K, K + V] in sequence order
         every = gather_in_sequence_order(torch.cat([transitions, contributions], dim=-1), group, segments)
-        folded = fold_states(every[..., :kd], every[..., kd:], count=max(segments.ids) + 1)
+        count = every.shape[0] + 1 if output_final_state else max(segments.ids) + 1
+        folded = fold_states(every[..., :kd], every[..., kd:], count=count)
         states = [folded[j] for j in segments.ids]
-    return apply_states(summaries, states).to(v.dtype)
+    o = apply_states(summaries, states).to(v.dtype)
+    return (o, folded[-1]) if output_final_state else o

@@ -56,6 +56,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+from cp_ext.linear_attention.generation_state import LinearLayerState, conv_tail
 from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
                                      gated_delta_rule)
 from cp_ext.transformer.attention import _document_ids
@@ -233,44 +234,91 @@ class GatedDeltaNet(MegatronModule):
                 document_ids: Optional[torch.Tensor] = None, inference_context=None, packed_seq_params=None,
                 **kwargs):
         """[s_local, b, hidden] -> (output [s_local, b, hidden], None); ``kwargs``: what megatron's
-        TransformerLayer passes its self-attention (rotary embeddings and the like), unused."""
+        TransformerLayer passes its self-attention (rotary embeddings and the like), unused.
+
+        Under generation (``self.kv_cache`` set by `cp_ext.inference.generate.Generator`): a prefill also keeps
+        the state after the last token and the conv's last inputs (`cp_ext.linear_attention.generation_state`); a decode
+        step continues from them, one token, with no communication."""
         if inference_context is not None or kwargs.get("inference_params") is not None:
-            raise NotImplementedError("cp_ext's Gated DeltaNet has no inference cache")
+            raise NotImplementedError("cp_ext's Gated DeltaNet keeps its generation state in cp_ext's cache "
+                                      "(cp_ext.inference.generate), not megatron's inference context")
         if dynamic_params(packed_seq_params) is not None:
             raise NotImplementedError("cp_ext's Gated DeltaNet does not run under dynamic CP (per-document zigzag)")
+        cache = getattr(self, "kv_cache", None)
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
         s, b = qkvzba.shape[:2]
         if document_ids is None:
             document_ids = _document_ids(attention_mask, b, s, qkvzba.device)
+        if cache is not None and document_ids is not None:
+            raise NotImplementedError("generation runs one document; call the model without document ids")
+        if cache is not None and cache.decoding:
+            return self._decode_step(qkvzba, cache)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, .]
         q, k, v, z, beta_logit, a = torch.split(qkvzba, self.in_proj_split_sections, dim=-1)
         group, layout = _cp_group_and_layout(self.config)
-        qkv = torch.cat([q, k, v], dim=-1)
+        raw_qkv = torch.cat([q, k, v], dim=-1)
         if group is None:
             w = self.conv_kernel_dim
             ids = None if document_ids is None else F.pad(document_ids, (w - 1, 0), value=-1)
-            qkv = causal_conv1d(F.pad(qkv, (0, 0, w - 1, 0)), self.conv1d.weight, self.conv1d.bias,
+            qkv = causal_conv1d(F.pad(raw_qkv, (0, 0, w - 1, 0)), self.conv1d.weight, self.conv1d.bias,
                                 document_ids=ids, activation="silu")
         else:
-            qkv = context_parallel_causal_conv1d(qkv, self.conv1d.weight, self.conv1d.bias, group=group,
+            qkv = context_parallel_causal_conv1d(raw_qkv, self.conv1d.weight, self.conv1d.bias, group=group,
                                                  layout=layout, document_ids=document_ids, activation="silu")
+        q, k, v, g, beta = self._rule_inputs(qkv, a, beta_logit)
+        if group is None:
+            o, final = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)
+        elif cache is not None:  # a prefill: the state after the prompt's last token too
+            o, final = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout, qk_l2norm=True,
+                                                    output_final_state=True)
+        else:
+            o = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
+                                             document_ids=document_ids, qk_l2norm=True)
+        if cache is not None:
+            cache.linear[self.layer_number - 1] = LinearLayerState(
+                final, conv_tail(raw_qkv, self.conv_kernel_dim, group=group, layout=layout or "zigzag"))
+        return self._output(o, z)
+
+    def _rule_inputs(self, qkv, a, beta_logit):
+        """The conv's output [b, s, q | k | v] and the decay / beta inputs -> q, k, v by head, g (fp32), beta."""
+        b, s = qkv.shape[:2]
         q, k, v = torch.split(qkv, [self.qk_dim_local, self.qk_dim_local, self.v_dim_local], dim=-1)
         q = q.reshape(b, s, self.key_heads_local, self.key_head_dim)
         k = k.reshape(b, s, self.key_heads_local, self.key_head_dim)
         v = v.reshape(b, s, self.value_heads_local, self.value_head_dim)
         acc = torch.float64 if a.dtype == torch.float64 else torch.float32  # megatron: g in fp32
         g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
-        beta = beta_logit.sigmoid()
-        if group is None:
-            o = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)[0]
-        else:
-            o = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
-                                             document_ids=document_ids, qk_l2norm=True)
+        return q, k, v, g, beta_logit.sigmoid()
+
+    def _output(self, o, z):
+        """The gated norm and out_proj of the rule's output o [b, s, h_v, V]: (output [s, b, hidden], bias)."""
+        b, s = o.shape[:2]
         # out_norm's weight is replicated over TP but each rank normalizes its own heads: the copy's backward
         # sums its gradient over TP, so every TP rank holds the whole gradient (with or without SP).
         norm_weight = self.out_norm.weight
         if self.config.tensor_model_parallel_size > 1:
             norm_weight = tensor_parallel.copy_to_tensor_model_parallel_region(norm_weight)
         o = self.out_norm(o, z.reshape(b, s, self.value_heads_local, self.value_head_dim), norm_weight)
-        out, bias = self.out_proj(o.reshape(b, s, self.v_dim_local).transpose(0, 1))
-        return out, bias
+        return self.out_proj(o.reshape(b, s, self.v_dim_local).transpose(0, 1))
+
+    def _decode_step(self, qkvzba, cache):
+        """One new token (``qkvzba`` [copies, b, .]: under sequence parallelism one identical copy per TP rank)
+        through the conv window and one step of the rule, from this layer's cached state; the same on every CP
+        rank, so nothing is exchanged."""
+        copies = qkvzba.shape[0]
+        x = qkvzba[:1].transpose(0, 1)  # [b, 1, .]
+        q, k, v, z, beta_logit, a = torch.split(x, self.in_proj_split_sections, dim=-1)
+        raw_qkv = torch.cat([q, k, v], dim=-1)
+        layer = self.layer_number - 1
+        state = cache.linear.get(layer)
+        if state is None:  # a prompt too short for a CP prefill: the first token starts from nothing
+            b, channels = raw_qkv.shape[0], raw_qkv.shape[-1]
+            state = LinearLayerState(None, raw_qkv.new_zeros(b, self.conv_kernel_dim - 1, channels))
+        window = torch.cat([state.conv_tail, raw_qkv], dim=1)  # [b, w, channels]: the conv needs no padding
+        qkv = causal_conv1d(window, self.conv1d.weight, self.conv1d.bias, activation="silu")[:, -1:]
+        q, k, v, g, beta = self._rule_inputs(qkv, a, beta_logit)
+        o, final = gated_delta_rule(q, k, v, g, beta, initial_state=state.state, qk_l2norm=True)
+        cache.linear[layer] = LinearLayerState(final, window[:, 1:])
+        if copies > 1:  # sequence parallelism: out_proj reduce-scatters over the copies
+            o, z = o.expand(-1, copies, -1, -1), z.expand(-1, copies, -1)
+        return self._output(o, z)

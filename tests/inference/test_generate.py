@@ -8,7 +8,8 @@ after prompts of 1030 tokens (not a multiple of 2C: the tail is decoded token by
 sink) at CP1, CP2 ring and CP4 hybrid; one with DeepSeek-V3's (MLA with q-LoRA and YaRN) at CP1,
 CP2 ring (which caches the latent) and CP4 hybrid; and that MLA made DeepSeek-V3.2's sparse attention
 (top 64 keys; the cache keeps [latent | indexer key], each step's top-k merged from every rank's
-candidates) at CP1, CP2 ring, CP2 all-gather and TP2+SP x CP2. Checked:
+candidates) at CP1, CP2 ring, CP2 all-gather and TP2+SP x CP2; and a Qwen3-Next hybrid (Gated DeltaNet on layer 1:
+its state and conv tail are its cache) at CP1, CP2 ring, CP4 ring, TP2+SP x CP2 and PP2 x CP2. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
   * CP1's decode logits equal one full forward over prompt + generated tokens (the cache path
     itself is right, not only consistent);
@@ -31,6 +32,9 @@ MLA_LATENT_RATIO = (32 + 8) / (4 * (16 + 8 + 16))  # cached values per token: la
 # DeepSeek-V3.2's sparse attention on that MLA: each token attends to its top 64 (of up to 8198) keys
 DSA = MLA + ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "16",
              "--dsa-indexer-topk", "64"]
+GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
+       "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
+       "--attention-output-gate"]
 LAYOUTS = {
     "cp1": [],
     "cp2_ring": ["--context-parallel-size", "2"],
@@ -60,12 +64,20 @@ LAYOUTS = {
     "dsa_cp2_ring": DSA + ["--context-parallel-size", "2"],
     "dsa_cp2_all_gather": DSA + ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
     "dsa_tp2sp_cp2": DSA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+    # Qwen3-Next's Gated DeltaNet on layer 1 of 2: its cache is the state after the prompt (folded under CP) and
+    # the conv's last inputs; decode continues from them on every rank with no exchange
+    "gdn_cp1": GDN,
+    "gdn_cp2_ring": GDN + ["--context-parallel-size", "2"],
+    "gdn_cp4_ring": GDN + ["--context-parallel-size", "4"],
+    "gdn_tp2sp_cp2": GDN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+    "gdn_pp2_cp2": GDN + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
              "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
              "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1", "mla_cp2_ring": "mla_cp1",
              "mla_cp4_hybrid": "mla_cp1", "mtp_cp2_ring": "cp1", "mtp_pp2_cp2": "cp1", "dsa_cp2_ring": "dsa_cp1",
-             "dsa_cp2_all_gather": "dsa_cp1", "dsa_tp2sp_cp2": "dsa_cp1"}
+             "dsa_cp2_all_gather": "dsa_cp1", "dsa_tp2sp_cp2": "dsa_cp1", "gdn_cp2_ring": "gdn_cp1",
+             "gdn_cp4_ring": "gdn_cp1", "gdn_tp2sp_cp2": "gdn_cp1", "gdn_pp2_cp2": "gdn_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -104,7 +116,7 @@ def test_logprobs_equal_cp1s_on_every_rank(results, layout, prompt):
         assert worst <= 1e-5, (rank, worst)
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_logprobs_equal_a_full_forwards_log_softmax(results, layout, prompt):
     assert results[0][layout][prompt]["logprob_max_abs_diff_vs_full_forward"] < 1e-5
@@ -115,7 +127,7 @@ def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
     assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5
