@@ -42,7 +42,8 @@ import argparse
 
 from cp_ext.perf.memory import GiB, PRESETS, ModelShape, total_params
 from cp_ext.perf.model_shape import active_params, describe
-from cp_ext.perf.parallelism_planner import COMM_TYPES, SHAPE_FIELDS, format_grid, kv_arithmetic, plan, shape_from_fields
+from cp_ext.perf.parallelism_planner import (COMM_TYPES, SHAPE_FIELDS, format_grid, kv_arithmetic, linear_arithmetic,
+                                             plan, shape_from_fields)
 
 
 def main(argv=None) -> int:
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
         else "2 + 4 + 12 = 18"
     print(f"bytes/param: {bpp}; activations: cp_ext per-layer count (Korthikanti et al. 2022 without the 5as/h term), "
           f"/TP (SP) /CP; {kv_arithmetic(m, args.seq_length, mha=False)} per sequence before TP x CP")
+    if any(m.is_linear_layer(i) for i in range(m.layers)):
+        print(linear_arithmetic(m, args.seq_length, cp=min(world, 8), dtype=args.dtype))
     plans = plan(m, s=args.seq_length, global_batch=args.global_batch, gpu_memory=args.gpu_memory_gib * gib,
                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, micro_batch=args.micro_batch, dtype=args.dtype,
                  distributed_optimizer=not args.no_distributed_optimizer, intra_gbps=args.intra_node_gbps,

@@ -175,12 +175,14 @@ def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 
                    mha: bool = False, latent: bool = False) -> Dict[str, float]:
     """K, V of every layer (the attention state CP splits) and the fp32 LSE, per rank. MLA: per-head
     K (d_qk + p) and V (d_v), or with ``latent`` (`cp_ext.perf.activations.mla_takes_latent`) the
-    ``r + p`` values per token its CP attention holds and exchanges instead."""
+    ``r + p`` values per token its CP attention holds and exchanges instead. Linear-attention layers hold
+    none (their state does not grow with s)."""
     e = 4 if dtype == "fp32" else 2
+    layers = sum(1 for i in range(m.layers) if not m.is_linear_layer(i))
     g = m.heads if mha else m.kv_heads
     per_token = m.kv_lora_rank + m.qk_pos_emb_head_dim if latent else g * (m.head_dim + m.v_dim) / tp
-    kv = m.layers * per_token * s * b * e / cp
-    lse = m.layers * m.heads * s * b * 4 / (tp * cp)
+    kv = layers * per_token * s * b * e / cp
+    lse = layers * m.heads * s * b * 4 / (tp * cp)
     return {"kv": kv, "lse": lse, "total": kv + lse}
 
 

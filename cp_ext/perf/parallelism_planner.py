@@ -57,13 +57,52 @@ def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type:
         d = (m.head_dim + m.v_dim) / 2
         cpb = comm.cp_attention_bytes(b=b, h=m.heads // g.tp, hk=max(1, m.kv_heads // g.tp), s=s, d=d, cp=g.cp,
                                       ulysses=g.ulysses, dtype=dtype, comm_type=comm_type)
+    linear_share = sum(1 for i in range(m.layers) if m.is_linear_layer(i)) / m.layers
+    cp_linear = linear_layer_bytes(m, g, s=s, b=b, dtype=dtype) if linear_share else 0
     tp = comm.tp_layer_bytes(b=b, s=s, hidden=m.hidden, tp=g.tp, cp=g.cp, dtype=dtype)
     ep = comm.ep_layer_bytes(b=b, s=s, hidden=m.hidden, topk=m.topk, ep=g.ep, tp=g.tp, cp=g.cp, dtype=dtype) if m.experts else {"fwd": 0, "bwd": 0}
     moe_share = sum(1 for i in range(m.layers) if m.is_moe_layer(i)) / m.layers  # dense-first layers dispatch nothing
     both = lambda x: x["fwd"] + x["bwd"]  # noqa: E731
-    return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]), "cp_ulysses": both(cpb["ulysses_a2a"]),
-            "cp_all_gather": both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"]),
-            "ep": both(ep) * moe_share, "mla_latent": latent}
+    softmax_share = 1 - linear_share  # the linear layers exchange states and halos instead of K/V
+    return {"tp": both(tp), "cp_ring": both(cpb["ring_p2p"]) * softmax_share,
+            "cp_ulysses": both(cpb["ulysses_a2a"]) * softmax_share,
+            "cp_all_gather": (both(cpb["all_gather_kv"]) + both(cpb["reduce_scatter_dkv"])) * softmax_share,
+            "cp_linear": cp_linear * linear_share, "ep": both(ep) * moe_share, "mla_latent": latent}
+
+
+def linear_layer_bytes(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, method: str = "state_passing",
+                       exchange: str = "all_gather") -> int:
+    """One linear-attention layer's CP bytes per rank (forward + backward): its conv halo and state exchange
+    (`comm.gated_delta_layer_bytes`; the layers' own method, the all-gather exchange, by default)."""
+    if g.cp == 1:
+        return 0
+    per = comm.gated_delta_layer_bytes(method=method, b=b, s=s, hk=m.linear_key_heads // g.tp,
+                                       h=m.linear_value_heads // g.tp, k_dim=m.linear_key_dim,
+                                       v_dim=m.linear_value_dim, cp=g.cp, dtype=dtype, exchange=exchange,
+                                       kernel_size=m.linear_conv_kernel)
+    return sum(x["fwd"] + x["bwd"] for x in per.values())
+
+
+def linear_arithmetic(m: ModelShape, s: int, *, cp: int, tp: int = 1, b: int = 1, dtype: str = "bf16") -> str:
+    """The linear layers' state, conv halo and CP bytes per method at ``cp`` ranks (one line each)."""
+    layers = sum(1 for i in range(m.layers) if m.is_linear_layer(i))
+    state = m.linear_value_heads * m.linear_key_dim * m.linear_value_dim * 4
+    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    g = Grid(tp=tp, pp=1, cp=cp, dp=1)
+    by = {f"state passing ({x})": linear_layer_bytes(m, g, s=s, b=b, dtype=dtype, exchange=x)
+          for x in ("all_gather", "ring")}
+    heads_limit = m.linear_key_heads // tp
+    if cp <= heads_limit and heads_limit % cp == 0:
+        by["all-to-all"] = linear_layer_bytes(m, g, s=s, b=b, dtype=dtype, method="all_to_all")
+    else:
+        by["all-to-all"] = None
+    lines = [f"linear layers: {layers} of {m.layers}; state {m.linear_value_heads} heads x {m.linear_key_dim} x "
+             f"{m.linear_value_dim} x 4 B = {state / 2**20:.1f} MiB per sequence and layer, whatever its length (the "
+             f"generation cache, with the conv's last {m.linear_conv_kernel - 1} inputs of {channels} channels)",
+             f"CP{cp} bytes per linear layer and rank (fwd + bwd, TP{tp}, {s} tokens): "
+             + ", ".join(f"{k} {v / 2**20:.1f} MiB" if v is not None else
+                         f"{k}: cannot split {m.linear_key_heads} key heads / TP{tp} over CP{cp}" for k, v in by.items())]
+    return "\n".join(lines)
 
 
 # --cp-comm-types: Megatron's names; "a2a+p2p" is cp_ext's default Ulysses x ring (U picked per layout).
@@ -122,6 +161,9 @@ def plan(m: ModelShape, *, s: int, global_batch: int, gpu_memory: float, gpus_pe
 def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Optional[str]:
     if m.heads % g.tp or m.kv_heads % g.tp:
         return f"TP {g.tp} does not divide the {m.heads} heads / {m.kv_heads} KV heads"
+    linear = any(m.is_linear_layer(i) for i in range(m.layers))
+    if linear and (m.linear_key_heads % g.tp or m.linear_value_heads % g.tp):
+        return f"TP {g.tp} does not divide the linear layers' {m.linear_key_heads} key / {m.linear_value_heads} value heads"
     if g.tp > gpus_per_node:
         return f"TP {g.tp} spans nodes ({gpus_per_node} GPUs per node); TP stays inside NVLink"
     if m.vocab % g.tp:
@@ -145,6 +187,8 @@ def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
     if m.experts:
         ep = max(e for e in divisors(m.experts) if (g.dp * g.cp * g.tp // etp) % e == 0)
     ulysses = max(u for u in divisors(g.cp) if (m.heads // g.tp) % u == 0 and g.tp * u <= gpus_per_node)
+    if any(m.is_linear_layer(i) for i in range(m.layers)):
+        ulysses = 1  # the linear layers pass their state on the ring: cp_ext runs such models without Ulysses
     return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=etp, ulysses=ulysses)
 
 
@@ -152,7 +196,7 @@ def _comm_seconds(per_layer, g, gpus_per_node, intra_gbps, inter_gbps) -> float:
     """Per-layer seconds if nothing overlapped: each collective over NVLink when its group fits a node."""
     bw = lambda span: (intra_gbps if span <= gpus_per_node else inter_gbps) * 1e9  # noqa: E731
     return (per_layer["tp"] / bw(g.tp) + per_layer["cp_ulysses"] / bw(g.tp * g.ulysses)
-            + (per_layer["cp_ring"] + per_layer.get("cp_all_gather", 0)) / bw(g.tp * g.cp)
+            + (per_layer["cp_ring"] + per_layer.get("cp_all_gather", 0) + per_layer.get("cp_linear", 0)) / bw(g.tp * g.cp)
             + per_layer["ep"] / bw(g.tp * g.dp * g.cp))
 
 
@@ -163,12 +207,15 @@ def format_grid(g: Grid, comm_type: Optional[str] = None, latent: bool = False) 
 
 
 def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
+    """The KV cache of the softmax layers (linear-attention layers keep a state instead: `linear_arithmetic`)."""
+    softmax = sum(1 for i in range(m.layers) if not m.is_linear_layer(i))
     kv = kv_state_bytes(m, s=s, dtype="bf16", mha=mha)["kv"]
+    layers = f"{softmax} layers" if softmax == m.layers else f"{softmax} softmax layers"
     g = m.heads if mha else m.kv_heads
     if m.head_dim != m.v_dim:  # MLA: K of d_qk + p, V of d_v per head
         per = f"{g * (m.head_dim + m.v_dim)} ({g} heads x ({m.head_dim} + {m.v_dim}))"
-        return f"KV = {m.layers} layers x {per} x {s} tokens x 2 B = {kv:.0f} B = {kv / GiB:.1f} GiB"
-    return (f"KV = 2 (K,V) x {m.layers} layers x {g * m.head_dim} ({g} heads x {m.head_dim}) x {s} tokens x 2 B "
+        return f"KV = {layers} x {per} x {s} tokens x 2 B = {kv:.0f} B = {kv / GiB:.1f} GiB"
+    return (f"KV = 2 (K,V) x {layers} x {g * m.head_dim} ({g} heads x {m.head_dim}) x {s} tokens x 2 B "
             f"= {kv:.0f} B = {kv / GiB:.1f} GiB")
 
 

@@ -279,3 +279,48 @@ def test_grid_from_args_is_the_grid_a_checkpoint_records():
     # what meta.json records: every size by its flag, as the flags gave them
     meta = Grid.from_args(args).as_meta()
     assert meta == {name: getattr(args, name) for name in CHECKPOINT_GRID if name != "use_distributed_optimizer"}
+
+
+# A Qwen3-Next-shaped hybrid: three Gated DeltaNet layers to one softmax layer.
+HYBRID = ModelShape(layers=8, hidden=2048, heads=16, kv_heads=2, ffn=5120, vocab=151936, kv_channels=256,
+                    linear_attention_freq=4, linear_key_heads=16, linear_value_heads=32)
+
+
+@pytest.mark.quick
+def test_linear_layers_exchange_states_not_kv():
+    """Per layer, the linear layers' CP bytes are their halo and state exchange (`comm.gated_delta_layer_bytes`),
+    weighted by their share of the layers; the softmax layers' K/V traffic by theirs; KV only on softmax layers."""
+    g = Grid(tp=2, pp=1, cp=4, dp=1)
+    per = planner.layer_comm(HYBRID, g, s=32768, b=1, dtype="bf16")
+    expected = comm.gated_delta_layer_bytes(method="state_passing", b=1, s=32768, hk=8, h=16, k_dim=128, v_dim=128,
+                                            cp=4, dtype="bf16", kernel_size=4)
+    one = sum(x["fwd"] + x["bwd"] for x in expected.values())
+    assert one > 0 and per["cp_linear"] == pytest.approx(one * 6 / 8)
+    plain = planner.layer_comm(ModelShape(**{**HYBRID.__dict__, "linear_attention_freq": None}), g, s=32768, b=1,
+                               dtype="bf16")
+    assert per["cp_ring"] == pytest.approx(plain["cp_ring"] * 2 / 8) and plain.get("cp_linear", 0) == 0
+    assert kv_state_bytes(HYBRID, s=1024)["kv"] == kv_state_bytes(plain_model := ModelShape(
+        **{**HYBRID.__dict__, "linear_attention_freq": None}), s=1024)["kv"] * 2 / 8
+    assert plain_model.linear_attention_freq is None
+
+
+@pytest.mark.quick
+def test_planner_runs_hybrids_on_the_ring_and_checks_the_linear_heads():
+    plans = planner.plan(HYBRID, s=32768, global_batch=8, gpu_memory=80 * GiB, gpus_per_node=8, nodes=4)
+    assert all(p.grid.ulysses == 1 for p in plans if p.valid)  # state passing runs on the ring
+    bad = [p for p in plans if p.grid.tp == 32]
+    assert bad and all(not p.valid for p in bad)
+    odd = ModelShape(**{**HYBRID.__dict__, "kv_heads": 4, "linear_key_heads": 6, "linear_value_heads": 12})
+    reasons = [p.reason for p in planner.plan(odd, s=32768, global_batch=8, gpu_memory=80 * GiB, gpus_per_node=8,
+                                              nodes=1) if p.grid.tp == 4]
+    assert reasons and all("linear layers' 6 key / 12 value heads" in r for r in reasons)
+
+
+def test_linear_arithmetic_names_state_halo_and_methods():
+    text = planner.linear_arithmetic(HYBRID, 131072, cp=32)
+    assert "linear layers: 6 of 8" in text and "32 heads x 128 x 128 x 4 B = 2.0 MiB" in text
+    assert "state passing (all_gather)" in text and "state passing (ring)" in text
+    assert "all-to-all: cannot split 16 key heads / TP1 over CP32" in text  # state passing has no such limit
+    assert "all-to-all " in planner.linear_arithmetic(HYBRID, 131072, cp=8)  # 16 heads split 8 ways
+    assert "6 softmax layers" not in planner.kv_arithmetic(HYBRID, 1024) and "2 softmax layers" in \
+        planner.kv_arithmetic(HYBRID, 1024)
