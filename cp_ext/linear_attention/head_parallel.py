@@ -22,6 +22,9 @@ The hybrid (`ulysses_state_passing`) is cp_ext's softmax-attention hybrid's toke
 U-rank Ulysses group hands it the whole ring shard (s/R tokens, already in order) for h/U heads, and state
 passing over the R-rank ring group runs on that. Heads then divide by U only.
 
+A layer calls `ulysses_conv_and_rule`, which does the all-to-all before its conv (on whole heads' channels, the
+halo over the ring) and so covers pure Ulysses (megatron's method, R = 1) and the hybrid alike.
+
 The all-to-all is its own small autograd Function here (its backward is the inverse all-to-all):
 `cp_ext.attention`'s is a sibling package, which the layer contract keeps apart from this one.
 """
@@ -31,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cp_ext.linear_attention.conv import causal_conv1d, context_parallel_causal_conv1d
 from cp_ext.linear_attention.gated_delta import gated_delta_rule
 from cp_ext.linear_attention.segments import _all_gather_single, group_size_rank
 from cp_ext.linear_attention.state_passing import context_parallel_gated_delta
@@ -128,4 +132,52 @@ def ulysses_state_passing(q, k, v, g, beta, *, ulysses_group, ring_group, layout
     ids = None if document_ids is None else _gather_ids(document_ids, ulysses_group, size)
     o = context_parallel_gated_delta(*heads, group=ring_group, layout=layout, exchange=exchange, document_ids=ids,
                                      chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm, kernel=kernel)
+    return _heads_to_sequence(o, ulysses_group)
+
+
+def _head_rows(weight: torch.Tensor, sections, heads, rank: int, size: int) -> torch.Tensor:
+    """The conv weight's rows [channels, 1, w] of this Ulysses rank's heads: of each section (q, k, v; ``heads``
+    heads each) the slice [rank h/size, (rank + 1) h/size) of its heads."""
+    parts = torch.split(weight, sections, dim=0)
+    return torch.cat([p.unflatten(0, (h, -1)).chunk(size, dim=0)[rank].flatten(0, 1) for p, h in zip(parts, heads)])
+
+
+def ulysses_conv_and_rule(q, k, v, g, beta, conv_weight, *, ulysses_group, ring_group, layout: str = "zigzag",
+                          document_ids=None, conv_activation: Optional[str] = "silu", exchange: str = "all_gather",
+                          chunk_size: int = 64, scale: Optional[float] = None, qk_l2norm: bool = False,
+                          kernel: str = "auto") -> torch.Tensor:
+    """A linear-attention layer's conv and rule under the Ulysses x ring grid, from the conv's *inputs*: the
+    Ulysses all-to-all first (each rank: its ring shard for h/U heads), then the depthwise conv on those heads'
+    channels with its halo over the ring (``conv_weight`` [channels, 1, w] over [q | k | v], this rank's rows
+    taken), then the rule by state passing over the ring (the plain rule when the ring is one rank: pure Ulysses,
+    megatron-core's head-parallel method), and the all-to-all back. q, k [b, s_local, h_k, K], v [b, s_local, h_v,
+    V] before the conv, g, beta as the rule takes them, in cp_ext's hybrid layout; returns o [b, s_local, h_v, V].
+    The conv is per channel, so running it after the all-to-all on whole heads is the same conv."""
+    size, rank = group_size_rank(ulysses_group)
+    ring, _ = group_size_rank(ring_group)
+    check_head_parallel(k.shape[2], v.shape[2], size, what="the Ulysses level of the linear layers")
+    kd, vd = q.shape[-1], v.shape[-1]
+    q, k, v, g, beta = (_sequence_to_heads(x, ulysses_group) for x in (q, k, v, g, beta))
+    ids = None if document_ids is None else _gather_ids(document_ids, ulysses_group, size)
+    hk, hv = k.shape[2], v.shape[2]
+    weight = _head_rows(conv_weight, [hk * size * kd, hk * size * kd, hv * size * vd], [hk * size] * 2 + [hv * size],
+                        rank, size)
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+    if ring == 1:
+        w = weight.shape[-1]
+        padded_ids = None if ids is None else torch.nn.functional.pad(ids, (w - 1, 0), value=-1)
+        qkv = causal_conv1d(torch.nn.functional.pad(qkv, (0, 0, w - 1, 0)), weight, None, document_ids=padded_ids,
+                            activation=conv_activation)
+    else:
+        qkv = context_parallel_causal_conv1d(qkv, weight, None, group=ring_group, layout=layout, document_ids=ids,
+                                             activation=conv_activation)
+    q, k, v = torch.split(qkv, [hk * kd, hk * kd, hv * vd], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, kd)), k.unflatten(-1, (hk, kd)), v.unflatten(-1, (hv, vd))
+    if ring == 1:
+        o, _ = gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, document_ids=ids, scale=scale,
+                                qk_l2norm=qk_l2norm, kernel=kernel)
+    else:
+        o = context_parallel_gated_delta(q, k, v, g, beta, group=ring_group, layout=layout, exchange=exchange,
+                                         document_ids=ids, chunk_size=chunk_size, scale=scale, qk_l2norm=qk_l2norm,
+                                         kernel=kernel)
     return _heads_to_sequence(o, ulysses_group)

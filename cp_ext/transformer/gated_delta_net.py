@@ -57,6 +57,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from cp_ext.linear_attention.generation_state import LinearLayerState, conv_tail
+from cp_ext.linear_attention.head_parallel import ulysses_conv_and_rule
 from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
                                      gated_delta_rule)
 from cp_ext.transformer.attention import _document_ids
@@ -148,6 +149,21 @@ def _cp_group_and_layout(config):
         raise NotImplementedError("Gated DeltaNet under CP passes states along a ring layout (zigzag or contiguous); "
                                   f"it does not support Ulysses (--ulysses-degree {ulysses})")
     return group, getattr(config, "cp_layout", "zigzag")
+
+
+def _cp_groups(config):
+    """(ring group, layout, Ulysses group) of this layer's CP: (None, None, None) at CP = 1; the Ulysses group
+    None without a Ulysses level (its conv and rule then run on the ring, `_cp_group_and_layout`'s)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None, None, None
+    from cp_ext import parallel_state as cp_state
+
+    try:
+        ulysses = cp_state.get_ulysses_world_size()
+    except RuntimeError:  # cp_ext's sub-groups not built: megatron's CP group is the ring
+        return parallel_state.get_context_parallel_group(), getattr(config, "cp_layout", "zigzag"), None
+    layout = getattr(config, "cp_layout", "zigzag")
+    return cp_state.get_ring_group(), layout, (cp_state.get_ulysses_group() if ulysses > 1 else None)
 
 
 class GatedDeltaNet(MegatronModule):
@@ -255,7 +271,18 @@ class GatedDeltaNet(MegatronModule):
             return self._decode_step(qkvzba, cache)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, .]
         q, k, v, z, beta_logit, a = torch.split(qkvzba, self.in_proj_split_sections, dim=-1)
-        group, layout = _cp_group_and_layout(self.config)
+        group, layout, ulysses_group = _cp_groups(self.config)
+        if ulysses_group is not None:  # Ulysses (x ring): the all-to-all before the conv, on whole heads
+            if cache is not None:
+                raise NotImplementedError("generation with Gated DeltaNet layers runs on the CP ring; drop the "
+                                          "Ulysses level (--ulysses-size 1, --cp-comm-type p2p)")
+            o = ulysses_conv_and_rule(
+                q.unflatten(-1, (self.key_heads_local, self.key_head_dim)),
+                k.unflatten(-1, (self.key_heads_local, self.key_head_dim)),
+                v.unflatten(-1, (self.value_heads_local, self.value_head_dim)), *self._decay(a, beta_logit),
+                self.conv1d.weight, ulysses_group=ulysses_group, ring_group=group, layout=layout,
+                document_ids=document_ids, qk_l2norm=True)
+            return self._output(o, z)
         raw_qkv = torch.cat([q, k, v], dim=-1)
         if group is None:
             w = self.conv_kernel_dim
@@ -286,9 +313,12 @@ class GatedDeltaNet(MegatronModule):
         q = q.reshape(b, s, self.key_heads_local, self.key_head_dim)
         k = k.reshape(b, s, self.key_heads_local, self.key_head_dim)
         v = v.reshape(b, s, self.value_heads_local, self.value_head_dim)
-        acc = torch.float64 if a.dtype == torch.float64 else torch.float32  # megatron: g in fp32
-        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
-        return q, k, v, g, beta_logit.sigmoid()
+        return (q, k, v, *self._decay(a, beta_logit))
+
+    def _decay(self, a, beta_logit):
+        """g = -exp(A_log) softplus(a + dt_bias) per value head (fp32, as megatron) and beta = sigmoid(b)."""
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+        return -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc)), beta_logit.sigmoid()
 
     def _output(self, o, z):
         """The gated norm and out_proj of the rule's output o [b, s, h_v, V]: (output [s, b, hidden], bias)."""

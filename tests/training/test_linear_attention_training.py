@@ -12,7 +12,8 @@ Compared, as in test_grid_equivalence (`_assert_same`): lm loss, load-balancing 
 iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the GDN's in_proj sections, conv,
 A_log, dt_bias, gated norm and out_proj, the attention's gate rows, the shared expert's gate), reassembled from
 the ranks' slices through the checkpoint map. Grids: CP2 ring (zigzag and contiguous), CP2 with all-gather softmax
-layers, CP4 ring, TP2+SP x CP2, PP2 x CP2, EP2 x CP2, full recompute, each with packed documents too
+layers, CP4 ring, CP2 Ulysses and Ulysses 2 x ring 2 (the linear layers' all-to-all before their conv), TP2+SP x
+CP2, PP2 x CP2, EP2 x CP2, full recompute, each with packed documents too
 (``--reset-attention-mask``: the state and the conv restart at every document), and MTP. Launches: 1, 2 and 4
 ranks.
 """
@@ -44,6 +45,10 @@ GRIDS = {  # name: (ranks, flags)
     "cp2_all_gather": (2, CP2 + ["--cp-comm-type", "all_gather"]),
     "cp2_recompute": (2, CP2 + RECOMPUTE),
     "cp4_ring": (4, CP4),
+    # Ulysses: the linear layers' all-to-all before their conv (pure Ulysses: megatron's head-parallel method),
+    # and Ulysses 2 x ring 2 (state passing over the ring on h/2 heads)
+    "cp2_ulysses": (2, CP2 + ["--ulysses-size", "2"]),
+    "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
     "tp2sp_cp2": (4, TP2SP + CP2),
     "pp2_cp2": (4, PP2 + CP2),
     "ep2_cp2": (4, EP2 + CP2),
