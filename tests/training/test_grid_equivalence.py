@@ -443,6 +443,23 @@ def _assert_same(result, reference, tolerances=None):
     assert norm_units and all(ref_grads[u].abs().max() > 0 for u in norm_units), "norm grads must be non-trivial"
 
 
+def launch_layouts(script, world, names, timeout=1200):
+    """Run ``names`` in one launch of ``world`` ranks of ``script``'s worker (``--layouts``; each rank saves its
+    gradient slices as grads_<name>_rank<r>.pt): {name: (rank 0's metrics, every full gradient, float64)}."""
+    results = launch(script, world, "--layouts", ",".join(names), timeout=timeout)
+    out_dir = Path(results[0]["results_dir"])
+    done = {}
+    for n in names:
+        full = {}
+        for rank in range(world):
+            for unit, (shape, index, values) in torch.load(out_dir / f"grads_{n}_rank{rank}.pt",
+                                                           weights_only=False).items():
+                for idx, val in zip(index, values):
+                    full.setdefault(unit, torch.zeros(shape, dtype=torch.float64))[idx] = val.double()
+        done[n] = (results[0][n], full)
+    return done
+
+
 def _grad_slices(model):
     """{unit: (full shape, [index...], [local grad...])} of this rank, after the last backward."""
     from cp_ext.models.parameter_slices import iter_global_slices, parameters_showing_grads

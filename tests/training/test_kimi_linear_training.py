@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.launch import launch, worker_args, write_results  # noqa: E402
-from tests.training.test_grid_equivalence import MODEL, _assert_same, _train  # noqa: E402
+from tests.launch import worker_args, write_results  # noqa: E402
+from tests.training.test_grid_equivalence import MODEL, _assert_same, _train, launch_layouts  # noqa: E402
 
 KIMI_LINEAR = ["--experimental-attention-variant", "kda", "--linear-attention-freq", "2",
                "--linear-num-key-heads", "2", "--linear-num-value-heads", "2", "--linear-key-head-dim", "8",
@@ -111,8 +111,6 @@ def worker():
 @pytest.fixture(scope="module")
 def runs(quick):
     """``runs(name)``: (rank 0's metrics, full gradients); one launch per world size."""
-    import torch
-
     done = {}
 
     def get(name):
@@ -120,16 +118,7 @@ def runs(quick):
         if name not in done:
             wanted = [name] if quick else [n for n, (size, _, _) in RUNS.items() if size == world] + (
                 list(SOFTMAX) if world == 1 else [])
-            results = launch(__file__, world, "--layouts", ",".join(wanted), timeout=1200)
-            out_dir = Path(results[0]["results_dir"])
-            for n in wanted:
-                full = {}
-                for rank in range(world):
-                    for unit, (shape, index, values) in torch.load(out_dir / f"grads_{n}_rank{rank}.pt",
-                                                                   weights_only=False).items():
-                        for idx, val in zip(index, values):
-                            full.setdefault(unit, torch.zeros(shape, dtype=torch.float64))[idx] = val.double()
-                done[n] = (results[0][n], full)
+            done.update(launch_layouts(__file__, world, wanted, timeout=1200))
         return done[name]
 
     return get
