@@ -90,7 +90,7 @@ def _cp_problems(args, variant):
                     p.append(f"{flag} {heads} / --tensor-model-parallel-size {tp} is not divisible by the Ulysses "
                              f"size {ulysses}: the linear layers split their heads over it; use a smaller Ulysses "
                              f"size, or --cp-comm-type p2p (state passing on the ring has no such limit)")
-    if getattr(args, "dynamic_context_parallel", False):
+    if getattr(args, "dynamic_context_parallel", False) and args.experimental_attention_variant != "gated_delta_net":
         p.append(f"--dynamic-context-parallel is not supported with {variant} yet; drop one of them")
     return p
 

@@ -258,8 +258,7 @@ class GatedDeltaNet(MegatronModule):
         if inference_context is not None or kwargs.get("inference_params") is not None:
             raise NotImplementedError("cp_ext's Gated DeltaNet keeps its generation state in cp_ext's cache "
                                       "(cp_ext.inference.generate), not megatron's inference context")
-        if dynamic_params(packed_seq_params) is not None:
-            raise NotImplementedError("cp_ext's Gated DeltaNet does not run under dynamic CP (per-document zigzag)")
+        dynamic = dynamic_params(packed_seq_params)  # dynamic CP: this microbatch's group and documents
         cache = getattr(self, "kv_cache", None)
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
         s, b = qkvzba.shape[:2]
@@ -269,6 +268,8 @@ class GatedDeltaNet(MegatronModule):
             raise NotImplementedError("generation runs one document; call the model without document ids")
         if cache is not None and cache.decoding:
             return self._decode_step(qkvzba, cache)
+        if dynamic is not None:
+            return self._dynamic(qkvzba, dynamic, document_ids)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, .]
         q, k, v, z, beta_logit, a = torch.split(qkvzba, self.in_proj_split_sections, dim=-1)
         group, layout, ulysses_group = _cp_groups(self.config)
@@ -305,6 +306,34 @@ class GatedDeltaNet(MegatronModule):
             cache.linear[self.layer_number - 1] = LinearLayerState(
                 final, conv_tail(raw_qkv, self.conv_kernel_dim, group=group, layout=layout or "zigzag"))
         return self._output(o, z)
+
+    def _dynamic(self, qkvzba, dynamic, document_ids):
+        """Dynamic CP (`cp_ext.token_partition.DocumentZigzag`): each of the microbatch's units is zigzagged over
+        the group on its own, so this rank's share of unit d is that unit's zigzag shard, next to the others'
+        in order. Nothing crosses units (each is whole documents), so the conv and the rule run unit by unit:
+        by state passing over the group, or on one rank the plain rule."""
+        qkvzba = qkvzba.transpose(0, 1)  # [b, s, .]
+        q, k, v, z, beta_logit, a = torch.split(qkvzba, self.in_proj_split_sections, dim=-1)
+        raw_qkv = torch.cat([q, k, v], dim=-1)
+        size, group, w = dynamic.size, dynamic.cp_group, self.conv_kernel_dim
+        outs, start = [], 0
+        for length in dynamic.layout.lengths:
+            piece = slice(start, start + length // size)
+            start = piece.stop
+            ids = None if document_ids is None else document_ids[:, piece]
+            if size == 1:
+                padded = None if ids is None else F.pad(ids, (w - 1, 0), value=-1)
+                qkv = causal_conv1d(F.pad(raw_qkv[:, piece], (0, 0, w - 1, 0)), self.conv1d.weight, self.conv1d.bias,
+                                    document_ids=padded, activation="silu")
+                rule = self._rule_inputs(qkv, a[:, piece], beta_logit[:, piece])
+                outs.append(gated_delta_rule(*rule, document_ids=ids, qk_l2norm=True)[0])
+            else:
+                qkv = context_parallel_causal_conv1d(raw_qkv[:, piece], self.conv1d.weight, self.conv1d.bias,
+                                                     group=group, layout="zigzag", document_ids=ids, activation="silu")
+                rule = self._rule_inputs(qkv, a[:, piece], beta_logit[:, piece])
+                outs.append(context_parallel_gated_delta(*rule, group=group, layout="zigzag", document_ids=ids,
+                                                         qk_l2norm=True))
+        return self._output(torch.cat(outs, dim=1), z)
 
     def _rule_inputs(self, qkv, a, beta_logit):
         """The conv's output [b, s, q | k | v] and the decay / beta inputs -> q, k, v by head, g (fp32), beta."""

@@ -8,7 +8,8 @@ microbatch (the schedule's groups: the aux loss balances experts over a pack, so
 model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
 parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
-GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, PP2, and static CP's sizes (every
+GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, Gated DeltaNet (CP2 and CP4), PP2, and
+static CP's sizes (every
 document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
 
 Static CP itself, on the same documents: megatron's GPTDataset cuts the corpus into samples of --seq-length
@@ -41,6 +42,11 @@ MODEL = [
     "--clip-grad", "1.0", "--dynamic-context-parallel", "--calculate-per-token-loss", "--split", "100,0,0",
     "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
 ]
+GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2", "--linear-num-key-heads",
+       "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+       "--attention-output-gate"]
+# dt_bias and A_log sum cancelling terms over every token (tests/training/test_linear_attention_training.py)
+GDN_TOLERANCES = {".dt_bias": 5e-5, ".A_log": 5e-5}
 MTP = ["--mtp-num-layers", "2"] + ([] if MTP_PADDING_MASK else ["--moe-aux-loss-coeff", "0"])
 M16 = ["--max-seqlen-per-dp-cp-rank", "16"]  # 4 DP x CP ranks: groups of 1 (<= 16 tokens), 2 (<= 32) and 4
 RUNS = {  # 4 ranks each
@@ -65,6 +71,9 @@ RUNS = {  # 4 ranks each
     # MTP: each depth's shift of ids, labels and loss mask crosses the group's ranks (its pack's sequence); before
     # megatron-core 0.18 its layers' routers take no padding mask, so there without the router losses
     "dp2cp2_mtp": ["--context-parallel-size", "2"] + M16 + MTP,
+    # Qwen3-Next's Gated DeltaNet on layer 1: each document's conv and state passed over its group in its zigzag
+    "dp2cp2_gdn": ["--context-parallel-size", "2"] + M16 + GDN,
+    "cp4_gdn": ["--context-parallel-size", "4"] + M16 + GDN,
 }
 # 6 ranks: cp_ext's scheduler makes groups of 3 (and 6), sizes that are not powers of two
 RUNS_6 = {"dp3cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced",
@@ -82,7 +91,8 @@ SAME_DOCUMENTS = {
     "dynamic_same_documents": NO_ROUTER_LOSSES + ["--context-parallel-size", "4", "--eod-mask-loss"] + M16,
 }
 RUNS.update(RUNS_6)
-VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP}
+VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP,
+            "--experimental-attention-variant": GDN}
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler",
                  "--global-batch-size")
 
@@ -168,7 +178,8 @@ def _gather_run(results, name, world):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_dynamic_cp_matches_single_process(name, runs):
-    _assert_same(runs(name), runs(reference_of(name)))
+    _assert_same(runs(name), runs(reference_of(name)), GDN_TOLERANCES if "--experimental-attention-variant" in RUNS[name]
+                 else None)
 
 
 def test_dynamic_cp_matches_static_cp_on_the_same_documents(runs):
