@@ -9,6 +9,9 @@ and every rank reads them in sequence order. Only the ring layouts: not Ulysses,
 per-document zigzag (`DocumentZigzag`), whose segments would differ from rank to rank.
 """
 
+import collections
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import List, Tuple
@@ -126,9 +129,71 @@ def zeros_reading(gathered: torch.Tensor, shape) -> torch.Tensor:
     return _ZerosReading.apply(gathered, tuple(shape)) if gathered.requires_grad else gathered.new_zeros(shape)
 
 
+class _ReplayGather(torch.autograd.Function):
+    """What an all-gather gave in the first forward of a checkpointed layer, without gathering again; its
+    backward is the gather's (`_AllGather`): every rank's gradient summed back to the owner of each slice."""
+
+    @staticmethod
+    def forward(ctx, x, kept, group):
+        ctx.group = group
+        return kept.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllGather.backward(ctx, grad)[0], None, None
+
+
+_EXCHANGES = contextvars.ContextVar("linear_attention_exchanges", default=None)
+
+
+class KeptExchanges:
+    """The gathers (summaries, halos, document ids) of one layer's forwards, kept for its recompute under
+    CP-aware full recompute (`cp_ext.transformer.recompute`'s counterpart for linear layers): the first forward
+    of a checkpointed layer records every gather's result, the recompute replays them in the same order, so
+    it sends nothing; its backward still returns each gradient to its owner. One entry per forward, oldest
+    first: megatron recomputes the microbatches in the order of their forwards."""
+
+    def __init__(self):
+        self._kept = collections.deque()
+        self.replayed = 0  # recomputes served from kept gathers (tests read it)
+
+    @contextlib.contextmanager
+    def record(self):
+        gathers = []
+        token = _EXCHANGES.set(("record", gathers))
+        try:
+            yield
+        finally:
+            _EXCHANGES.reset(token)
+        self._kept.append(gathers)
+
+    @contextlib.contextmanager
+    def replay(self):
+        if not self._kept:
+            raise RuntimeError("CP-aware recompute: a linear layer is recomputed whose first forward kept no "
+                               "exchanges (recompute out of order); run with --no-cp-aware-recompute and report this")
+        token = _EXCHANGES.set(("replay", iter(self._kept.popleft())))
+        try:
+            yield
+        finally:
+            _EXCHANGES.reset(token)
+        self.replayed += 1
+
+
 def gather_in_sequence_order(x: torch.Tensor, group, segments: RankSegments) -> torch.Tensor:
     """Every rank's ``x`` ([per-rank segments, ...], one row per local segment, local order) as
-    [all segments, ...] in global sequence order; differentiable (gradients return to their owners)."""
+    [all segments, ...] in global sequence order; differentiable (gradients return to their owners). Inside
+    `KeptExchanges.record` the result is kept; inside `KeptExchanges.replay` the kept one is used instead."""
     size, _ = group_size_rank(group)
-    gathered = x if size == 1 else _AllGather.apply(x, group, size)
+    mode = _EXCHANGES.get()
+    if size == 1:
+        gathered = x
+    elif mode is None:
+        gathered = _AllGather.apply(x, group, size)
+    elif mode[0] == "record":
+        gathered = _AllGather.apply(x, group, size)
+        mode[1].append(gathered.detach())
+    else:
+        kept = next(mode[1])
+        gathered = _ReplayGather.apply(x, kept, group) if x.requires_grad else kept
     return gathered.index_select(0, torch.tensor(segments.order, device=x.device))

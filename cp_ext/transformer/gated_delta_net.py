@@ -43,6 +43,7 @@ Checkpoints: `sharded_state_dict` is megatron's GDN's, so a distributed checkpoi
 value, each TP-sharded on its own (the same keys megatron's module writes).
 """
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
@@ -58,6 +60,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 from cp_ext.linear_attention.generation_state import LinearLayerState, conv_tail
 from cp_ext.linear_attention.head_parallel import ulysses_conv_and_rule
+from cp_ext.linear_attention.segments import KeptExchanges
 from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
                                      gated_delta_rule)
 from cp_ext.transformer.attention import _document_ids
@@ -216,6 +219,9 @@ class GatedDeltaNet(MegatronModule):
         self.out_proj = tensor_parallel.RowParallelLinear(
             v_dim, config.hidden_size, config=config, init_method=config.output_layer_init_method, bias=False,
             input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2")
+        self.kept_exchanges = KeptExchanges()  # under CP-aware full recompute (`_exchanges`)
+        # Generation (cp_ext.inference.generate): the cache whose state and conv tail this layer keeps; None in training
+        self.kv_cache = None
         if config.perform_initialization:  # megatron's: dt_bias 1, A uniform in [1, 16] on the TP rank's stream
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 self.A_log.data.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
@@ -259,7 +265,7 @@ class GatedDeltaNet(MegatronModule):
             raise NotImplementedError("cp_ext's Gated DeltaNet keeps its generation state in cp_ext's cache "
                                       "(cp_ext.inference.generate), not megatron's inference context")
         dynamic = dynamic_params(packed_seq_params)  # dynamic CP: this microbatch's group and documents
-        cache = getattr(self, "kv_cache", None)
+        cache = self.kv_cache
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
         s, b = qkvzba.shape[:2]
         if document_ids is None:
@@ -285,6 +291,24 @@ class GatedDeltaNet(MegatronModule):
                 document_ids=document_ids, qk_l2norm=True)
             return self._output(o, z)
         raw_qkv = torch.cat([q, k, v], dim=-1)
+        with self._exchanges(group, cache):
+            o, final = self._conv_and_rule(raw_qkv, a, beta_logit, group, layout, document_ids, cache)
+        if cache is not None:
+            cache.linear[self.layer_number - 1] = LinearLayerState(
+                final, conv_tail(raw_qkv, self.conv_kernel_dim, group=group, layout=layout or "zigzag"))
+        return self._output(o, z)
+
+    def _exchanges(self, group, cache):
+        """Under CP-aware full recompute, inside megatron's checkpoint: keep this forward's gathers (the first
+        forward) or replay them (the recompute), so the recompute exchanges nothing (`KeptExchanges`)."""
+        if (group is None or cache is not None or not self.training or not is_checkpointing()
+                or not getattr(self.config, "cp_aware_recompute", False)):
+            return contextlib.nullcontext()
+        return self.kept_exchanges.replay() if torch.is_grad_enabled() else self.kept_exchanges.record()
+
+    def _conv_and_rule(self, raw_qkv, a, beta_logit, group, layout, document_ids, cache):
+        """The conv (its halo over the CP ranks) and the rule (by state passing) on this rank's tokens: (o, the
+        state after the last token where generation needs it, else None)."""
         if group is None:
             w = self.conv_kernel_dim
             ids = None if document_ids is None else F.pad(document_ids, (w - 1, 0), value=-1)
@@ -295,17 +319,12 @@ class GatedDeltaNet(MegatronModule):
                                                  layout=layout, document_ids=document_ids, activation="silu")
         q, k, v, g, beta = self._rule_inputs(qkv, a, beta_logit)
         if group is None:
-            o, final = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)
-        elif cache is not None:  # a prefill: the state after the prompt's last token too
-            o, final = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout, qk_l2norm=True,
-                                                    output_final_state=True)
-        else:
-            o = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
-                                             document_ids=document_ids, qk_l2norm=True)
-        if cache is not None:
-            cache.linear[self.layer_number - 1] = LinearLayerState(
-                final, conv_tail(raw_qkv, self.conv_kernel_dim, group=group, layout=layout or "zigzag"))
-        return self._output(o, z)
+            return gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)
+        if cache is not None:  # a prefill: the state after the prompt's last token too
+            return context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout, qk_l2norm=True,
+                                                output_final_state=True)
+        return context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
+                                            document_ids=document_ids, qk_l2norm=True), None
 
     def _dynamic(self, qkvzba, dynamic, document_ids):
         """Dynamic CP (`cp_ext.token_partition.DocumentZigzag`): each of the microbatch's units is zigzagged over

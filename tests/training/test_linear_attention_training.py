@@ -81,12 +81,13 @@ def worker():
 
     opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}
-    built, with_documents = [], []
+    built, built_modules, with_documents = [], [], []
     real_init, real_forward = GatedDeltaNet.__init__, GatedDeltaNet.forward
 
     def counting_init(self, *a, **kw):  # which layers are Gated DeltaNet on this rank
         real_init(self, *a, **kw)
         built.append(self.layer_number)
+        built_modules.append(self)
 
     def recording_forward(self, hidden_states, attention_mask=None, **kw):  # whether document ids arrive
         with_documents.append(attention_mask is not None)
@@ -95,10 +96,11 @@ def worker():
     GatedDeltaNet.__init__, GatedDeltaNet.forward = counting_init, recording_forward
     try:
         for name in opts.layouts.split(","):
-            built.clear(), with_documents.clear()
+            built.clear(), built_modules.clear(), with_documents.clear()
             results[name], grads = _train(name, _flags(name))
             results[name]["gdn layers"] = sorted(set(built))
             results[name]["gdn forwards with documents"] = sorted(set(with_documents))
+            results[name]["gdn replayed"] = sum(m.kept_exchanges.replayed for m in built_modules)
             torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     finally:
         GatedDeltaNet.__init__, GatedDeltaNet.forward = real_init, real_forward
@@ -144,6 +146,15 @@ def test_pattern_builds_gated_delta_net_on_the_linear_layers(runs):
     assert sections == ["alpha", "beta", "key", "query", "value", "z"], sections
     convs = sorted({u.split("conv1d.weight.")[1].split(".")[0] for u in grads if "conv1d.weight." in u})
     assert convs == ["key", "query", "value"], convs
+
+
+def test_cp_aware_recompute_replays_the_linear_layers_exchanges(runs):
+    """Full recompute at CP2: each Gated DeltaNet layer's recompute replays its first forward's gathers (the
+    summaries, the conv halo; the document ids too) instead of exchanging again, and still equals CP1
+    (test_hybrid_matches_cp1[cp2_recompute*]). 2 iterations x 4 microbatches x 2 linear layers."""
+    assert runs("cp2_recompute")[0]["gdn replayed"] == 16
+    assert runs("cp2_recompute_docs")[0]["gdn replayed"] == 16
+    assert runs("cp2_ring")[0]["gdn replayed"] == 0
 
 
 def test_documents_reach_the_linear_layers(runs):
