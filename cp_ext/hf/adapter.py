@@ -50,6 +50,7 @@ class Adapter:
     """What every architecture shares; subclasses name their HF tensors."""
 
     prefix = "model.layers.{layer}."
+    import_names = frozenset()  # export: the HF tensor names the import read (`cp_ext.hf.convert.TENSORS`)
 
     def __init__(self, config):
         self.c = config

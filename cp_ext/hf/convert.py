@@ -7,7 +7,8 @@ used, every shape as config.json implies); then import writes megatron's dist_ch
 checkpoint chunk by chunk, each chunk's full tensor assembled from Hugging Face's by the family's adapter
 when the writer asks for it (under torchrun at a grid, each rank its own chunks), and export reads one
 layer's units at a time, splits each back into Hugging Face's by the same adapter, casts to config.json's
-dtype and writes shards of at most ``max_shard_bytes`` with an index, config.json and the tokenizer the
+dtype (a tensor the release stored in another dtype, as transformers keeps a router or a bias in fp32: in that
+dtype, `TENSORS`) and writes shards of at most ``max_shard_bytes`` with an index, config.json and the tokenizer the
 import kept in CKPT/hf/. Both write into DIR.partial, renamed at the end (`cp_ext.checkpoint.disk_format`'s
 publish). HF -> cp_ext -> HF gives every tensor back bit for bit (tests/hf/test_convert.py).
 """
@@ -25,6 +26,9 @@ from cp_ext.hf.reader import HFCheckpoint, HFError
 
 MODEL_YAML = "model.yaml"
 HF_FILES = "hf"  # CKPT/hf/: the import's config.json and tokenizer files, what export writes back
+# CKPT/hf/tensors.json: {HF tensor name: its stored dtype} of the imported checkpoint (dequantized tensors left out):
+# the export writes each in that dtype, and an adapter that reads one of two namings writes the one it read
+TENSORS = "tensors.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja")
 
@@ -192,6 +196,7 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
         for name in ("config.json",) + TOKENIZER_FILES:
             if (hf.dir / name).is_file():
                 shutil.copy(hf.dir / name, kept / name)
+        (kept / TENSORS).write_text(json.dumps(hf.stored_dtypes(), indent=1, sort_keys=True) + "\n")
         (tmp / MODEL_YAML).write_text(f"# {architecture} from {hf.dir} (tools/convert_hf.py import)\n"
                                       + "\n".join(yaml_lines(flags)) + "\n")
         publish_root(tmp, save)
@@ -224,6 +229,8 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None) -> Exported:
                       f"import, give --hf-files IMPORTED_CKPT/{HF_FILES}")
     config = json.loads(config_path.read_text())
     adapter = adapter_for(config, str(config_path))
+    stored = json.loads((kept / TENSORS).read_text()) if (kept / TENSORS).is_file() else {}  # older imports: none
+    adapter.import_names = frozenset(stored)
     args = _start(["--load", load, "--use-checkpoint-args", "--finetune"])
 
     import torch
@@ -247,7 +254,7 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None) -> Exported:
     try:
         for unit, full in load_units(meta_model(args), iteration_dir(load, latest_iteration(load))):
             for name, tensor in adapter.split(unit, full).items():
-                tensor = tensor.to(dtype).contiguous()
+                tensor = tensor.to(getattr(torch, stored[name]) if name in stored else dtype).contiguous()
                 size = tensor.numel() * tensor.element_size()
                 if pending_bytes + size > max_shard_bytes:
                     flush()

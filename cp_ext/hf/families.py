@@ -1,12 +1,14 @@
 """One adapter per Hugging Face architecture (`ARCHITECTURES`): its flags and its MLP's tensors; what
 they share is `cp_ext.hf.adapter.Adapter`. DeepSeek-V3 (MLA, sigmoid groups) and GPT-OSS
 (sinks, windows, stacked biased experts, YaRN) have their own modules, `cp_ext.hf.deepseek_v3` and `cp_ext.hf.gpt_oss`,
-and so do the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5-MoE (`cp_ext.hf.qwen3_next`)."""
+and so do the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5-MoE (`cp_ext.hf.qwen3_next`) and the Kimi Delta
+Attention hybrid Kimi-Linear (`cp_ext.hf.kimi_linear`)."""
 
 from cp_ext.hf.adapter import Adapter
 from cp_ext.hf.deepseek_v3 import DeepseekV3
 from cp_ext.hf.deepseek_v32 import DeepseekV32
 from cp_ext.hf.gpt_oss import GptOss
+from cp_ext.hf.kimi_linear import KimiLinear
 from cp_ext.hf.qwen3_next import Qwen3_5Moe, Qwen3Next
 from cp_ext.hf.reader import HFError
 
@@ -100,7 +102,7 @@ class Mixtral(Adapter):
 ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3,
                  "DeepseekV32ForCausalLM": DeepseekV32, "GptOssForCausalLM": GptOss,
                  "Qwen3NextForCausalLM": Qwen3Next, "Qwen3_5MoeForCausalLM": Qwen3_5Moe,
-                 "Qwen3_5MoeForConditionalGeneration": Qwen3_5Moe}
+                 "Qwen3_5MoeForConditionalGeneration": Qwen3_5Moe, "KimiLinearForCausalLM": KimiLinear}
 
 
 # Architectures close to a supported one that cp_ext does not run, and the difference (beyond the config).

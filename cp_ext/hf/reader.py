@@ -14,6 +14,7 @@ from cp_ext.hf import quantized as q
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}  # safetensors' names
 
 
 class HFError(ValueError):
@@ -153,6 +154,20 @@ class HFCheckpoint:
         if len(parts) == 2 and self.quantization == "mxfp4":  # blocks [..., rows, G, 16] -> [..., G * 32, rows]
             shape = (*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3])
         return shape
+
+    def stored_dtypes(self):
+        """{logical name: its stored dtype's torch name ("bfloat16", "float32", ...)}, from the headers alone; a
+        dequantized tensor (two parts, or stored in another dtype) has none: its export is the unquantized twin."""
+        from safetensors import safe_open
+
+        out = {}
+        for path in sorted(set(self.files.values())):
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    dtype = _FLOAT_DTYPES.get(f.get_slice(name).get_dtype())
+                    if dtype is not None and self.parts.get(name) == (name,):
+                        out[name] = dtype
+        return out
 
     def _read(self, name):
         """The stored tensor ``name`` as stored."""

@@ -24,6 +24,10 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
     linear      Gated DeltaNet (the layers --linear-attention-freq marks, `cp_ext.transformer.gated_delta_net`):
                 in_proj [2 H_k K + 2 H_v V + 2 H_v, h], conv1d (2 H_k K + H_v V) w, dt_bias and A_log H_v each,
                 out_norm V, out_proj [h, H_v V]
+                Kimi Delta Attention (--experimental-attention-variant kda, `cp_ext.transformer.kimi_delta_attention`;
+                H = H_k = H_v heads): in_proj [2 H K + H V, h], conv1d (2 H K + H V) w, f_a_proj [K, h], f_b_proj
+                [H K, K], beta_proj [H, h], g_a_proj [V, h], g_b_proj [H V, V], dt_bias H K, A_log H, out_norm V,
+                out_proj [h, H V] (the gates' ranks: K and V, as Kimi-Linear)
     MTP         (--mtp-num-layers, megatron's MultiTokenPredictionLayer): enorm, hnorm h each,
                 eh_proj [h, 2h], one transformer layer of the last decoder layer's kind (with
                 softmax attention), its final norm h; embedding and output layer shared with the main model. cp_ext does
@@ -47,6 +51,7 @@ SHAPE_FLAGS = {name: "--" + name.replace("_", "-") for name in (
 SHAPE_FLAGS["add_bias_linear"] = "--disable-bias-linear: add_bias_linear"  # the flag sets it False
 
 PatternLike = Optional[object]  # int (every N-th layer) or a 0/1 list per layer, as Megatron-LM parses them
+LINEAR_MIXERS = {"gated_delta_net": "Gated DeltaNet", "kda": "Kimi Delta Attention"}  # the linear mixers counted
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ class ModelShape:
     learned_positions: int = 0  # --position-embedding-type learned_absolute: max_position_embeddings rows
     attention_output_gate: bool = False
     shared_expert_gate: bool = False
-    # linear attention (--experimental-attention-variant gated_delta_net): which layers, and their sizes
+    # linear attention (--experimental-attention-variant gated_delta_net or kda): which layers, which mixer, sizes
     linear_attention_freq: PatternLike = None
+    linear_variant: str = "gated_delta_net"
     linear_conv_kernel: int = 4
     linear_key_heads: int = 16
     linear_value_heads: int = 32
@@ -187,10 +193,11 @@ class ModelShape:
 
 def _linear_fields(args) -> dict:
     """The linear-attention layers' pattern and sizes, where --experimental-attention-variant makes them."""
-    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant not in LINEAR_MIXERS:
         return {}
     freq = args.linear_attention_freq
-    return dict(linear_attention_freq=tuple(freq) if isinstance(freq, list) else freq,
+    return dict(linear_attention_freq=tuple(freq) if isinstance(freq, list) else freq, linear_variant=variant,
                 linear_conv_kernel=args.linear_conv_kernel_dim, linear_key_heads=args.linear_num_key_heads,
                 linear_value_heads=args.linear_num_value_heads, linear_key_dim=args.linear_key_head_dim,
                 linear_value_dim=args.linear_value_head_dim)
@@ -237,8 +244,13 @@ def attention_params(m: ModelShape) -> int:
 
 
 def linear_attention_params(m: ModelShape) -> int:
-    """One Gated DeltaNet mixer (megatron-core 0.19's parameters; no biases)."""
+    """One linear-attention mixer: Gated DeltaNet (megatron-core 0.19's parameters) or Kimi Delta Attention
+    (cp_ext's, Megatron-LM's low-rank layout); no biases."""
     qk, v, hv = m.linear_key_heads * m.linear_key_dim, m.linear_value_heads * m.linear_value_dim, m.linear_value_heads
+    if m.linear_variant == "kda":
+        k, vd = m.linear_key_dim, m.linear_value_dim
+        projections = m.hidden * (2 * qk + v) + (k * m.hidden + qk * k) + hv * m.hidden + (vd * m.hidden + v * vd)
+        return projections + (2 * qk + v) * m.linear_conv_kernel + qk + hv + vd + v * m.hidden
     in_proj = m.hidden * (2 * qk + 2 * v + 2 * hv)
     return in_proj + (2 * qk + v) * m.linear_conv_kernel + 2 * hv + m.linear_value_dim + v * m.hidden
 
@@ -297,8 +309,9 @@ def describe(m: ModelShape) -> str:
         parts.append(f"{m.heads} heads / {m.kv_heads} KV of {m.head_dim}" + (" + qk-norm" if m.qk_layernorm else ""))
     linear = sum(1 for i in range(m.layers) if m.is_linear_layer(i))
     if linear:
-        parts.append(f"{linear} Gated DeltaNet layers ({m.linear_key_heads} key / {m.linear_value_heads} value heads "
-                     f"of {m.linear_key_dim} / {m.linear_value_dim}, conv {m.linear_conv_kernel})")
+        parts.append(f"{linear} {LINEAR_MIXERS[m.linear_variant]} layers ({m.linear_key_heads} key / "
+                     f"{m.linear_value_heads} value heads of {m.linear_key_dim} / {m.linear_value_dim}, "
+                     f"conv {m.linear_conv_kernel})")
     if m.window_size is not None:
         windowed = sum(1 for i in range(m.layers) if m.is_window_layer(i))
         parts.append(f"window {m.window_size[0]} on {windowed} layers")

@@ -40,6 +40,8 @@ rule (`context_parallel_gated_delta` over this layer's CP group; the plain rule 
 RMSNorm -> out_proj. Returns (output, None). Packed documents: the document ids [b, s_local] in
 ``attention_mask``'s seat or ``document_ids=``; the conv and the state restart at every document start. Ring
 layouts only (zigzag, contiguous), no inference cache, no dynamic CP, as Gated DeltaNet.
+
+transformers' names <-> these (the Hugging Face import's map and the layer tests'): `cp_ext.hf.kda_layout`.
 """
 
 import math
@@ -253,51 +255,3 @@ def dt_bias_init(uniform: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
     dt = (uniform * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).exp().clamp(min=floor)
     return dt + torch.log(-torch.expm1(-dt))
 
-
-# --- transformers <-> megatron names (the core of a Kimi-Linear Hugging Face adapter) -------------------------
-
-_RENAMES = {"forget_gate.f_a_proj.weight": "f_a_proj.weight", "forget_gate.f_b_proj.weight": "f_b_proj.weight",
-            "forget_gate.dt_bias": "dt_bias", "b_proj.weight": "beta_proj.weight", "g_a_proj.weight": "g_a_proj.weight",
-            "g_b_proj.weight": "g_b_proj.weight", "conv1d.weight": "conv1d.weight", "o_proj.weight": "out_proj.weight"}
-
-
-def hf_to_megatron_state_dict(hf: dict, *, zero_centered_gamma: bool = False) -> dict:
-    """transformers' ``KimiLinearDeltaAttention`` state dict (names relative to the layer) -> this module's (and
-    Megatron-LM's KDA) at TP = 1: ``in_proj`` = [q_proj | k_proj | v_proj], ``A_log`` [1, 1, H, 1] -> [H], the
-    gated norm's gain less 1 for a zero-centered norm, the rest renamed."""
-    out = {new: hf[old] for old, new in _RENAMES.items()}
-    out["in_proj.weight"] = torch.cat([hf["q_proj.weight"], hf["k_proj.weight"], hf["v_proj.weight"]])
-    out["A_log"] = hf["forget_gate.A_log"].reshape(-1)
-    out["out_norm.weight"] = hf["o_norm.weight"] - 1 if zero_centered_gamma else hf["o_norm.weight"]
-    return out
-
-
-def megatron_to_hf_state_dict(sd: dict, *, linear_num_key_heads: int, linear_key_head_dim: int,
-                              zero_centered_gamma: bool = False) -> dict:
-    """The inverse of `hf_to_megatron_state_dict` (a TP = 1 state dict to transformers' names)."""
-    qk = linear_num_key_heads * linear_key_head_dim
-    out = {old: sd[new] for old, new in _RENAMES.items()}
-    out["q_proj.weight"], out["k_proj.weight"], out["v_proj.weight"] = torch.split(
-        sd["in_proj.weight"], [qk, qk, sd["in_proj.weight"].shape[0] - 2 * qk])
-    out["forget_gate.A_log"] = sd["A_log"].reshape(1, 1, -1, 1)
-    out["o_norm.weight"] = sd["out_norm.weight"] + 1 if zero_centered_gamma else sd["out_norm.weight"]
-    return out
-
-
-def tp_shard_state_dict(sd: dict, tp_rank: int, tp_size: int, *, linear_num_key_heads: int, linear_key_head_dim: int,
-                        linear_value_head_dim: int) -> dict:
-    """TP rank ``tp_rank``'s part of a TP = 1 state dict (also of its gradients): ``in_proj`` rows and ``conv1d``
-    channels r/t of each of [q | k | v], the per-head tensors (``f_b_proj``, ``beta_proj``, ``g_b_proj``,
-    ``dt_bias``, ``A_log``) rows r/t, ``out_proj`` columns r/t; the down projections and ``out_norm`` whole."""
-    qk, v = linear_num_key_heads * linear_key_head_dim, linear_num_key_heads * linear_value_head_dim
-
-    def part(t, sections, dim=0):
-        return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in torch.split(t, sections, dim=dim)], dim=dim)
-
-    out = {name: sd[name] for name in ("f_a_proj.weight", "g_a_proj.weight", "out_norm.weight")}
-    out.update({name: sd[name].chunk(tp_size)[tp_rank]
-                for name in ("f_b_proj.weight", "beta_proj.weight", "g_b_proj.weight", "dt_bias", "A_log")})
-    out["in_proj.weight"] = part(sd["in_proj.weight"], [qk, qk, v])
-    out["conv1d.weight"] = part(sd["conv1d.weight"], [qk, qk, v])
-    out["out_proj.weight"] = part(sd["out_proj.weight"], [v], dim=1)
-    return out

@@ -6,6 +6,8 @@ SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek
           "gpt_oss": "40KB", "deepseek_v32": "60KB"}
 # the Gated DeltaNet hybrids (tests/hf/test_qwen3_next.py: scored by their own worker, not tools/generate.py)
 LINEAR_SHARDS = {"qwen3_next": "40KB", "qwen3_5_moe": None}
+# the Kimi Delta Attention hybrids (tests/hf/test_kimi_linear.py, likewise)
+KIMI_SHARDS = {"kimi_linear": "40KB", "kimi_linear_q_lora": None}
 
 
 def _config(family):
@@ -13,6 +15,8 @@ def _config(family):
 
     if family in LINEAR_SHARDS:
         return _linear_config(family)
+    if family in KIMI_SHARDS:
+        return _kimi_config(family)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -92,6 +96,31 @@ def _linear_config(family):
     return Qwen3_5MoeTextConfig(layer_types=types, tie_word_embeddings=True, rope_parameters=rope, **shared)
 
 
+def _kimi_config(family):
+    """Kimi-Linear's shape in miniature: KDA layers of 2 heads of 8 with a 4-tap conv beside NoPE MLA layers (4 heads,
+    latent 16, q/k 8 + 4 unrotated dims, v 8), 8 experts (top 2, sigmoid with the correction bias, renormalized and
+    scaled) with shared experts.
+    * kimi_linear: the release's layout: no q-LoRA, rms_norm_eps 1e-5 (the latent norm keeps 1e-6: the import scales
+      its input), KDA and MLA alternating, a dense first layer, one shared expert, routed_scaling_factor 2.446;
+    * kimi_linear_q_lora: q-LoRA (12), rms_norm_eps 1e-6, layers MLA, KDA, KDA, MLA (megatron's every-N rule cannot
+      say it: the 0/1 list), MoE on every layer, 2 groups of 4 experts of which each token may use 1 (ranked by
+      their top-2 sum), two shared experts."""
+    from transformers import KimiLinearConfig
+
+    shared = dict(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=8, num_local_experts=8, num_experts_per_tok=2, linear_num_heads=2,
+                  linear_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "kimi_linear":
+        return KimiLinearConfig(q_lora_rank=None, rms_norm_eps=1e-5, routed_scaling_factor=2.446, n_shared_experts=1,
+                                layer_types=["linear_attention", "full_attention"] * 2,
+                                mlp_layer_types=["dense"] + ["sparse"] * 3, **shared)
+    return KimiLinearConfig(q_lora_rank=12, rms_norm_eps=1e-6, routed_scaling_factor=2.5, n_shared_experts=2, n_group=2,
+                            topk_group=1, layer_types=["full_attention", "linear_attention", "linear_attention",
+                                                       "full_attention"], mlp_layer_types=["sparse"] * 4, **shared)
+
+
 def tiny_hf(family, **config_changes):
     import torch
     from transformers import AutoModelForCausalLM
@@ -133,6 +162,11 @@ def _perturbed(model, family):
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith("linear_attn.dt_bias"):  # ones at init: a dropped or shuffled dt_bias would not show
                 p.add_(torch.randn_like(p) * 0.5)
+            elif family == "kimi_linear" and name.endswith("kv_a_proj_with_mqa.weight"):
+                # the latent c small (mean c^2 near 1e-6), so that the latent norm's eps (1e-6 in transformers,
+                # rms_norm_eps = 1e-5 in megatron but for the import's scaling) moves the log-probs by far more
+                # than 1e-4
+                p[:model.config.kv_lora_rank].mul_(0.003)
             elif name.endswith("e_score_correction_bias"):  # zero at init: a dropped bias would not show
                 p.copy_(torch.randn_like(p) * 0.3)
             elif family == "gpt_oss" and name.endswith("sinks"):

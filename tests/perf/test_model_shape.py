@@ -1,6 +1,7 @@
 """`ModelShape.from_args` counts the parameters megatron-core builds, exactly, for every family of
 tests/families (MLA with and without q-LoRA, dense-first layers, shared experts, qk-norm,
-kv_channels != hidden / heads, biases, sinks, Qwen3.5's Gated DeltaNet layers and gates) and for variants of the flags the scripts do not use
+kv_channels != hidden / heads, biases, sinks, Qwen3.5's Gated DeltaNet layers and gates), for Kimi-Linear's Kimi Delta
+Attention hybrid (with and without q-LoRA) and for variants of the flags the scripts do not use
 (LayerNorm, a QKV-only bias, learned positions, an integer --moe-layer-freq): per layer and in total.
 All models are built in one process (one megatron import)."""
 
@@ -15,6 +16,18 @@ from tests.families import FAMILIES, LINEAR_FAMILIES, tiny
 from tests.launch import one_rank_megatron, run_code
 
 VOCAB = 384  # what the trainer pads the byte tokenizer's 257 to (--make-vocab-size-divisible-by 128)
+KIMI_LINEAR = [
+    "--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "48", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
+    "--num-attention-heads", "4", "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--position-embedding-type", "none",
+    "--rope-type", "rope", "--no-rope-freq", "1", "--experimental-attention-variant", "kda",
+    "--linear-attention-freq", "[1,1,0,1]", "--linear-num-key-heads", "2", "--linear-num-value-heads", "2",
+    "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1,1,1]",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-shared-expert-intermediate-size", "16"]
 CASES = {family: tiny(family) for family in FAMILIES + LINEAR_FAMILIES}
 CASES.update({
     "mixtral_layernorm_qkv_bias": tiny("mixtral_8x7b", "--normalization", "LayerNorm", "--add-qkv-bias"),
@@ -25,6 +38,11 @@ CASES.update({
     "qwen3_5_last_layer_linear": [t for t in tiny("qwen3_5_397b_a17b", "--linear-attention-freq", "[1,0,1,1]",
                                                   "--linear-conv-kernel-dim", "3")
                                   if t not in ("--attention-output-gate", "--moe-shared-expert-gate")],
+    # Kimi-Linear: Kimi Delta Attention layers beside NoPE MLA ones (the flags an import of the release gives, at toy
+    # sizes), a dense first layer, shared experts; and with q-LoRA and a value head dim unlike the key's
+    "kimi_linear": KIMI_LINEAR,
+    "kimi_linear_q_lora_wide_values": KIMI_LINEAR + ["--q-lora-rank", "12", "--linear-value-head-dim", "12",
+                                                     "--linear-attention-freq", "[0,1,1,1]", "--moe-layer-freq", "1"],
 })
 
 

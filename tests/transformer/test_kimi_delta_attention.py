@@ -2,9 +2,10 @@
 itself at CP = TP = 1.
 
 (a) One process (`run_code`), CP = TP = 1, both megatron releases: weights copied from transformers 5.25's
-    ``KimiLinearDeltaAttention`` through `hf_to_megatron_state_dict`, s = 100 (not a multiple of the 64-token chunk):
-    the output, the input gradient and every parameter gradient (compared through the mapping) equal transformers'
-    in fp32 to 1e-5 of the largest reference value; the mapping's inverse gives transformers' state dict back.
+    ``KimiLinearDeltaAttention`` through `cp_ext.hf.kda_layout.hf_to_megatron_state_dict`, s = 100 (not a multiple
+    of the 64-token chunk): the output, the input gradient and every parameter gradient (compared through the
+    mapping) equal transformers' in fp32 to 1e-5 of the largest reference value; the mapping's inverse gives
+    transformers' state dict back.
 (b) One launch of 4 gloo ranks: CP 2 (zigzag), CP 4 (zigzag with packed documents, contiguous) and TP 2 x CP 2
     (packed documents; and with sequence parallelism) equal CP = TP = 1: the output rows and input gradient at this
     rank's positions, and every parameter gradient (summed over CP as megatron's DP x CP reduction would; over TP too
@@ -60,8 +61,8 @@ SINGLE = """
 import json
 from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
-from cp_ext.transformer.kimi_delta_attention import (KimiDeltaAttention, hf_to_megatron_state_dict,
-                                                     megatron_to_hf_state_dict)
+from cp_ext.hf.kda_layout import hf_to_megatron_state_dict, megatron_to_hf_state_dict
+from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention
 from tests.transformer.test_kimi_delta_attention import DIMS, HEADS, HEAD_DIM, HIDDEN, KERNEL, _config
 torch.set_num_threads(1)
 hf_config = KimiLinearConfig(hidden_size=HIDDEN, num_attention_heads=4, num_hidden_layers=1, linear_num_heads=HEADS,
@@ -145,7 +146,8 @@ def main():
 
     from cp_ext import parallel_state as ps
     from cp_ext.platform import setup_platform
-    from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention, tp_shard_state_dict
+    from cp_ext.hf.kda_layout import tp_shard_state_dict
+    from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention
 
     setup_platform("cpu")
     dist.init_process_group("gloo")
