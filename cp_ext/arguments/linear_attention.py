@@ -73,25 +73,18 @@ def _given_without_variant(args):
 
 
 def _cp_problems(args, variant):
-    """State passing runs on the ring's token layout; Ulysses (and dynamic CP) exchange or re-deal tokens."""
+    """Under a Ulysses level the linear layers split their heads over it, as the softmax layers do."""
     p = []
     ulysses = args.ulysses_size or 1
-    if args.context_parallel_size > 1 and ulysses > 1:
-        if args.experimental_attention_variant != "gated_delta_net":
-            p.append(f"{variant} passes its state along the CP ring's token layout: use --cp-comm-type p2p or "
-                     f"all_gather for the softmax layers (this run: Ulysses size {ulysses}, which its layers do not "
-                     f"support yet)")
-        else:  # Ulysses splits the linear layers' heads too (`cp_ext.linear_attention.head_parallel`)
-            tp = args.tensor_model_parallel_size
-            for dest, flag in (("linear_num_key_heads", "--linear-num-key-heads"),
-                               ("linear_num_value_heads", "--linear-num-value-heads")):
-                heads = getattr(args, dest)
-                if heads % tp == 0 and (heads // tp) % ulysses:
-                    p.append(f"{flag} {heads} / --tensor-model-parallel-size {tp} is not divisible by the Ulysses "
-                             f"size {ulysses}: the linear layers split their heads over it; use a smaller Ulysses "
-                             f"size, or --cp-comm-type p2p (state passing on the ring has no such limit)")
-    if getattr(args, "dynamic_context_parallel", False) and args.experimental_attention_variant != "gated_delta_net":
-        p.append(f"--dynamic-context-parallel is not supported with {variant} yet; drop one of them")
+    if args.context_parallel_size > 1 and ulysses > 1:  # Ulysses splits the linear layers' heads too
+        tp = args.tensor_model_parallel_size  # (`cp_ext.linear_attention.head_parallel`)
+        for dest, flag in (("linear_num_key_heads", "--linear-num-key-heads"),
+                           ("linear_num_value_heads", "--linear-num-value-heads")):
+            heads = getattr(args, dest)
+            if heads % tp == 0 and (heads // tp) % ulysses:
+                p.append(f"{flag} {heads} / --tensor-model-parallel-size {tp} is not divisible by the Ulysses "
+                         f"size {ulysses}: the linear layers split their heads over it; use a smaller Ulysses "
+                         f"size, or --cp-comm-type p2p (state passing on the ring has no such limit)")
     return p
 
 

@@ -38,8 +38,7 @@ from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.dsa import DSACoreAttention
-from cp_ext.transformer.gated_delta_net import GatedDeltaNet
-from cp_ext.transformer.kimi_delta_attention import KimiDeltaAttention
+from cp_ext.transformer.linear_mixer import LinearMixer
 
 
 @dataclass
@@ -104,11 +103,7 @@ class Generator:
         # every layer that keeps something for the next token: the softmax layers' core attention (their KV
         # cache share) and the linear-attention layers (their state and conv tail)
         self.attention = [m for m in self.model.modules()
-                          if isinstance(m, (CoreAttention, DSACoreAttention, GatedDeltaNet))]
-        if any(isinstance(m, KimiDeltaAttention) for m in self.model.modules()):
-            # its layers would decode each token from an empty state: refused rather than wrong
-            raise NotImplementedError("generation with Kimi Delta Attention layers (--experimental-attention-variant "
-                                      "kda) is not built yet: their state is not cached; Gated DeltaNet's is")
+                          if isinstance(m, (CoreAttention, DSACoreAttention, LinearMixer))]
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()

@@ -37,9 +37,10 @@ Forward, on megatron's [s, b, hidden] (this rank's CP shard in cp_ext's layout; 
 ``config.sequence_parallel``): in_proj -> the causal conv of [q | k | v] with SiLU (its halo from the CP ranks
 before, `context_parallel_causal_conv1d`) -> the per-channel gated delta rule with q and k L2-normalized in the
 rule (`context_parallel_gated_delta` over this layer's CP group; the plain rule at CP = 1) -> the sigmoid-gated
-RMSNorm -> out_proj. Returns (output, None). Packed documents: the document ids [b, s_local] in
-``attention_mask``'s seat or ``document_ids=``; the conv and the state restart at every document start. Ring
-layouts only (zigzag, contiguous), no inference cache, no dynamic CP, as Gated DeltaNet.
+RMSNorm -> out_proj. Returns (output, None). This module owns the parameters and the projections (`_project`,
+`_decay`, `_gate`); the conv and the rule on every CP path (the ring, Ulysses, dynamic CP, CP-aware recompute,
+generation), packed documents and the checkpoint map are `cp_ext.transformer.linear_mixer.LinearMixer`'s, as
+Gated DeltaNet's.
 
 transformers' names <-> these (the Hugging Face import's map and the layer tests'): `cp_ext.hf.kda_layout`.
 """
@@ -50,17 +51,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.module import MegatronModule
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
-                                             sharded_state_dict_default)
 
-from cp_ext.linear_attention import (causal_conv1d, context_parallel_causal_conv1d, context_parallel_gated_delta,
-                                     gated_delta_rule)
-from cp_ext.transformer.attention import _document_ids
-from cp_ext.transformer.dynamic_cp import dynamic_params
-from cp_ext.transformer.gated_delta_net import GatedRMSNorm, _cp_group_and_layout, sections_factory
+from cp_ext.transformer.gated_delta_net import GatedRMSNorm
+from cp_ext.transformer.linear_mixer import LinearMixer
 
 SIZE_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                "linear_num_value_heads")
@@ -114,8 +109,10 @@ def _check(config, sizes):
         raise ValueError("; ".join(problems))
 
 
-class KimiDeltaAttention(MegatronModule):
+class KimiDeltaAttention(LinearMixer):
     """Kimi-Linear's KDA mixer with Megatron-LM's KDA parameter names (see the module docstring)."""
+
+    IN_PROJ_NAMES = ("query", "key", "value")  # Megatron-LM's checkpoint sections
 
     def __init__(self, config: TransformerConfig, *, linear_conv_kernel_dim: Optional[int] = None,
                  linear_key_head_dim: Optional[int] = None, linear_value_head_dim: Optional[int] = None,
@@ -140,6 +137,7 @@ class KimiDeltaAttention(MegatronModule):
         self.qk_dim_local = self.heads_local * self.key_head_dim
         self.v_dim_local = self.heads_local * self.value_head_dim
         self.in_proj_split_sections = (self.qk_dim_local, self.qk_dim_local, self.v_dim_local)
+        self.key_heads_local = self.value_heads_local = self.heads_local  # no grouped value heads
         self.f_lora_rank = f_lora_rank or self.key_head_dim
         self.gate_lora_rank = gate_lora_rank or self.value_head_dim
         qk_dim, v_dim = self.num_heads * self.key_head_dim, self.num_heads * self.value_head_dim
@@ -174,79 +172,27 @@ class KimiDeltaAttention(MegatronModule):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 self.A_log.data.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
                 self.dt_bias.data.copy_(dt_bias_init(torch.rand_like(self.dt_bias)))
+        self._init_state()
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Megatron-LM's KDA checkpoint map: ``A_log``, ``dt_bias`` and ``conv1d.weight`` TP-sharded on dim 0,
-        ``in_proj.weight`` and ``conv1d.weight`` split into query / key / value first (each TP rank holds a slice
-        of every section), the down projections and ``out_norm`` replicated, the rest as megatron's linears."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        own = {}
-        self._save_to_state_dict(own, "", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets,
-                                                  tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
-        for name, module in self.named_children():
-            if name == "conv1d":
-                out.update(make_sharded_tensors_for_checkpoint(
-                    module.state_dict(prefix="", keep_vars=True), f"{prefix}conv1d.", {"weight": 0}, sharded_offsets,
-                    tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"]))
-            else:
-                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
-                                                      tp_group=tp_group))
-        for key in ("in_proj.weight", "conv1d.weight"):
-            out[f"{prefix}{key}"] = sections_factory(out[f"{prefix}{key}"], list(self.in_proj_split_sections),
-                                                     ["query", "key", "value"], 0)
-        return out
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-                document_ids: Optional[torch.Tensor] = None, inference_context=None, packed_seq_params=None,
-                **kwargs):
-        """[s_local, b, hidden] -> (output [s_local, b, hidden], None); ``kwargs``: what megatron's
-        TransformerLayer passes its self-attention (rotary embeddings and the like), unused."""
-        if inference_context is not None or kwargs.get("inference_params") is not None:
-            raise NotImplementedError("cp_ext's Kimi Delta Attention has no inference cache")
-        if dynamic_params(packed_seq_params) is not None:
-            raise NotImplementedError("cp_ext's Kimi Delta Attention does not run under dynamic CP (per-document "
-                                      "zigzag)")
+    def _project(self, hidden_states):
         qkv, _ = self.in_proj(hidden_states)  # [s, b, this TP rank's q | k | v]
-        s, b = qkv.shape[:2]
-        if document_ids is None:
-            document_ids = _document_ids(attention_mask, b, s, qkv.device)
-        group, layout = _cp_group_and_layout(self.config)
-        qkv = qkv.transpose(0, 1)  # [b, s, .]
-        if group is None:
-            w = self.conv_kernel_dim
-            ids = None if document_ids is None else F.pad(document_ids, (w - 1, 0), value=-1)
-            qkv = causal_conv1d(F.pad(qkv, (0, 0, w - 1, 0)), self.conv1d.weight, None, document_ids=ids,
-                                activation="silu")
-        else:
-            qkv = context_parallel_causal_conv1d(qkv, self.conv1d.weight, None, group=group, layout=layout,
-                                                 document_ids=document_ids, activation="silu")
-        q, k, v = torch.split(qkv, list(self.in_proj_split_sections), dim=-1)
-        h, kd, vd = self.heads_local, self.key_head_dim, self.value_head_dim
-        q, k, v = q.reshape(b, s, h, kd), k.reshape(b, s, h, kd), v.reshape(b, s, h, vd)
 
         def low_rank(down, up):  # [s_sp, b, hidden] -> [b, s, this rank's heads x dim]
             return up(down(hidden_states)[0])[0].transpose(0, 1)
 
-        f = low_rank(self.f_a_proj, self.f_b_proj)
-        acc = torch.float64 if f.dtype == torch.float64 else torch.float32  # the decay in fp32, as transformers
-        g = (-self.A_log.to(acc).exp()[:, None]
-             * F.softplus((f.to(acc) + self.dt_bias.to(acc)).reshape(b, s, h, kd)))  # [b, s, h, K]
-        beta = self.beta_proj(hidden_states)[0].transpose(0, 1).sigmoid()  # [b, s, h]
-        if group is None:
-            o = gated_delta_rule(q, k, v, g, beta, document_ids=document_ids, qk_l2norm=True)[0]
-        else:
-            o = context_parallel_gated_delta(q, k, v, g, beta, group=group, layout=layout,
-                                             document_ids=document_ids, qk_l2norm=True)
-        gate = low_rank(self.g_a_proj, self.g_b_proj).reshape(b, s, h, vd)
-        # out_norm's weight is replicated over TP but each rank normalizes its own heads: the copy's backward
-        # sums its gradient over TP, so every TP rank holds the whole gradient (as Gated DeltaNet's).
-        norm_weight = self.out_norm.weight
-        if self.config.tensor_model_parallel_size > 1:
-            norm_weight = tensor_parallel.copy_to_tensor_model_parallel_region(norm_weight)
-        o = self.out_norm(o, gate, norm_weight)
-        return self.out_proj(o.reshape(b, s, self.v_dim_local).transpose(0, 1))
+        beta_logit = self.beta_proj(hidden_states)[0].transpose(0, 1)  # [b, s, h]
+        return qkv.transpose(0, 1), (low_rank(self.f_a_proj, self.f_b_proj), beta_logit), \
+            low_rank(self.g_a_proj, self.g_b_proj)
+
+    def _decay(self, f, beta_logit):
+        """g = -exp(A_log_h) softplus(f + dt_bias) per head and key channel (fp32, as transformers), beta."""
+        acc = torch.float64 if f.dtype == torch.float64 else torch.float32
+        g = -self.A_log.to(acc).exp()[:, None] * F.softplus(
+            (f.to(acc) + self.dt_bias.to(acc)).unflatten(-1, (self.heads_local, self.key_head_dim)))
+        return g, beta_logit.sigmoid()
+
+    def _gate(self, gate):
+        return gate.unflatten(-1, (self.heads_local, self.value_head_dim))
 
 
 def dt_bias_init(uniform: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4):

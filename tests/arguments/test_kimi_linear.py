@@ -23,8 +23,8 @@ KDA = ["--experimental-attention-variant", "kda", "--linear-attention-freq", "2"
         (KDA[:8] + KDA[10:], 1, ["--linear-num-value-heads 32 must equal --linear-num-key-heads 2"]),
         (KDA + ["--tensor-model-parallel-size", "4", "--sequence-parallel"], 4,
          ["--linear-num-key-heads 2 is not divisible by --tensor-model-parallel-size 4"]),
-        (KDA + ["--context-parallel-size", "2", "--ulysses-size", "2"], 2,
-         ["--experimental-attention-variant kda passes its state along the CP ring's token layout"]),
+        (KDA + ["--context-parallel-size", "4", "--ulysses-size", "4"], 4,
+         ["--linear-num-key-heads 2 / --tensor-model-parallel-size 1 is not divisible by the Ulysses size 4"]),
         (MOE + ["--no-rope-freq", "3"], 1, ["--no-rope-freq 3 does not divide --num-layers 4"]),
         (MOE + ["--no-rope-freq", "[0,1]"], 1, ["--no-rope-freq lists 2 layers but --num-layers is 4"]),
         (["--no-rope-freq", "2"], 1, ["--no-rope-freq skips RoPE on some layers, but --position-embedding-type "

@@ -9,7 +9,8 @@ sink) at CP1, CP2 ring and CP4 hybrid; one with DeepSeek-V3's (MLA with q-LoRA a
 CP2 ring (which caches the latent) and CP4 hybrid; and that MLA made DeepSeek-V3.2's sparse attention
 (top 64 keys; the cache keeps [latent | indexer key], each step's top-k merged from every rank's
 candidates) at CP1, CP2 ring, CP2 all-gather and TP2+SP x CP2; and a Qwen3-Next hybrid (Gated DeltaNet on layer 1:
-its state and conv tail are its cache) at CP1, CP2 ring, CP4 ring, TP2+SP x CP2 and PP2 x CP2. Checked:
+its state and conv tail are its cache) at CP1, CP2 ring, CP4 ring, TP2+SP x CP2 and PP2 x CP2, and Kimi Delta
+Attention's at CP1, CP2 ring and TP2+SP x CP2. Checked:
   * the token ids of every layout equal CP1's, and every step's logits within 1e-5 relative;
   * CP1's decode logits equal one full forward over prompt + generated tokens (the cache path
     itself is right, not only consistent);
@@ -35,6 +36,8 @@ DSA = MLA + ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads",
 GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
        "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
        "--attention-output-gate"]
+KDA = ["--experimental-attention-variant", "kda", "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
+       "--linear-num-value-heads", "2", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 LAYOUTS = {
     "cp1": [],
     "cp2_ring": ["--context-parallel-size", "2"],
@@ -71,13 +74,18 @@ LAYOUTS = {
     "gdn_cp4_ring": GDN + ["--context-parallel-size", "4"],
     "gdn_tp2sp_cp2": GDN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
     "gdn_pp2_cp2": GDN + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+    # Kimi Delta Attention on layer 1: the same cache, its per-channel decay
+    "kda_cp1": KDA,
+    "kda_cp2_ring": KDA + ["--context-parallel-size", "2"],
+    "kda_tp2sp_cp2": KDA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
 }
 REFERENCE = {"cp2_ring": "cp1", "cp2_ulysses": "cp1", "cp4_hybrid": "cp1", "cp2_ring_ep2": "cp1",
              "pp2_cp2": "cp1", "tp2sp_cp2": "cp1", "tp2sp_pp2": "cp1", "mqa_cp4_hybrid": "mqa_cp1",
              "win_cp2_ring": "win_cp1", "win_cp4_hybrid": "win_cp1", "mla_cp2_ring": "mla_cp1",
              "mla_cp4_hybrid": "mla_cp1", "mtp_cp2_ring": "cp1", "mtp_pp2_cp2": "cp1", "dsa_cp2_ring": "dsa_cp1",
              "dsa_cp2_all_gather": "dsa_cp1", "dsa_tp2sp_cp2": "dsa_cp1", "gdn_cp2_ring": "gdn_cp1",
-             "gdn_cp4_ring": "gdn_cp1", "gdn_tp2sp_cp2": "gdn_cp1", "gdn_pp2_cp2": "gdn_cp1"}
+             "gdn_cp4_ring": "gdn_cp1", "gdn_tp2sp_cp2": "gdn_cp1", "gdn_pp2_cp2": "gdn_cp1",
+             "kda_cp2_ring": "kda_cp1", "kda_tp2sp_cp2": "kda_cp1"}
 PROMPTS = {"1030": 1030, "8192": 8192}
 NEW_TOKENS = 6
 
@@ -116,7 +124,7 @@ def test_logprobs_equal_cp1s_on_every_rank(results, layout, prompt):
         assert worst <= 1e-5, (rank, worst)
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1", "kda_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_logprobs_equal_a_full_forwards_log_softmax(results, layout, prompt):
     assert results[0][layout][prompt]["logprob_max_abs_diff_vs_full_forward"] < 1e-5
@@ -127,7 +135,7 @@ def test_sampling_draws_the_same_tokens_at_cp4(results):
     assert results[0]["cp1"]["sampled"] != results[0]["cp1"]["1030"]["new_ids"]  # it did sample, not argmax
 
 
-@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1"])
+@pytest.mark.parametrize("layout", ["cp1", "mqa_cp1", "win_cp1", "mla_cp1", "dsa_cp1", "gdn_cp1", "kda_cp1"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_cp1_decode_equals_full_forward(results, layout, prompt):
     assert results[0][layout][prompt]["max_logit_rel_diff_vs_full_forward"] < 1e-5

@@ -8,7 +8,8 @@ microbatch (the schedule's groups: the aux loss balances experts over a pack, so
 model's loss): lm loss, load-balancing loss and grad norm of every iteration (relative 1e-5) and every
 parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
-GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, Gated DeltaNet (CP2 and CP4), PP2, and
+GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, Gated DeltaNet (CP2 and CP4) and Kimi
+Delta Attention, PP2, and
 static CP's sizes (every
 document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
 
@@ -47,6 +48,8 @@ GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attentio
        "--attention-output-gate"]
 # dt_bias and A_log sum cancelling terms over every token (tests/training/test_linear_attention_training.py)
 GDN_TOLERANCES = {".dt_bias": 5e-5, ".A_log": 5e-5}
+KDA = ["--experimental-attention-variant", "kda", "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
+       "--linear-num-value-heads", "2", "--linear-key-head-dim", "8", "--linear-value-head-dim", "8"]
 MTP = ["--mtp-num-layers", "2"] + ([] if MTP_PADDING_MASK else ["--moe-aux-loss-coeff", "0"])
 M16 = ["--max-seqlen-per-dp-cp-rank", "16"]  # 4 DP x CP ranks: groups of 1 (<= 16 tokens), 2 (<= 32) and 4
 RUNS = {  # 4 ranks each
@@ -74,6 +77,7 @@ RUNS = {  # 4 ranks each
     # Qwen3-Next's Gated DeltaNet on layer 1: each document's conv and state passed over its group in its zigzag
     "dp2cp2_gdn": ["--context-parallel-size", "2"] + M16 + GDN,
     "cp4_gdn": ["--context-parallel-size", "4"] + M16 + GDN,
+    "dp2cp2_kda": ["--context-parallel-size", "2"] + M16 + KDA,  # Kimi Delta Attention: the same path
 }
 # 6 ranks: cp_ext's scheduler makes groups of 3 (and 6), sizes that are not powers of two
 RUNS_6 = {"dp3cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced",
@@ -92,7 +96,7 @@ SAME_DOCUMENTS = {
 }
 RUNS.update(RUNS_6)
 VARIANTS = {"--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP,
-            "--experimental-attention-variant": GDN}
+            "gated_delta_net": GDN, "kda": KDA}  # the linear variants by --experimental-attention-variant's value
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler",
                  "--global-batch-size")
 
@@ -103,7 +107,7 @@ def _packing(flags, world):
     model_parallel = 1
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
         model_parallel *= int(flags[flags.index(flag) + 1]) if flag in flags else 1
-    return picked + (("world", str(world // model_parallel)),), next((v for v in VARIANTS if v in flags), None)
+    return picked + (("world", str(world // model_parallel)),), next((v for v in VARIANTS if v in flags), None)  # flags or a flag's value
 
 
 # One process, MLA with the aux loss off (the one term that depends on the packing): the packs of dp2cp2, and

@@ -45,6 +45,13 @@ RUNS = {  # name: (ranks, flags, the CP = 1 run it equals)
     "cp4_ring_docs": (4, CP4, "cp1_docs"),
     "tp2sp_cp2_docs": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + CP2, "cp1_docs"),
     "pp2_cp2_docs": (4, ["--pipeline-model-parallel-size", "2"] + CP2, "cp1_docs"),
+    # the KDA layers' all-to-all before their conv, state passing over the ring of 2
+    "cp4_u2r2_docs": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+                      "cp1_docs"),
+    "ep2_cp2_docs": (4, ["--expert-model-parallel-size", "2"] + CP2, "cp1_docs"),
+    # CP-aware full recompute: the KDA layers replay their first forward's gathers
+    "cp2_recompute_docs": (2, CP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"], "cp1_docs"),
 }
 QUICK = ("cp2_ring_docs",)
 # --no-rope-freq on megatron's own softmax attention (its SelfAttention reads no_rope_freq): every layer without RoPE
@@ -74,13 +81,14 @@ def worker():
 
     opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}
-    kda_layers, with_documents, mla_layers = [], [], []
+    kda_layers, kda_modules, with_documents, mla_layers = [], [], [], []
     real_init, real_forward = KimiDeltaAttention.__init__, KimiDeltaAttention.forward
     real_mla_init = ContextParallelMLASelfAttention.__init__
 
     def counting_init(self, *a, **kw):  # which layers are KDA on this rank
         real_init(self, *a, **kw)
         kda_layers.append(self.layer_number)
+        kda_modules.append(self)
 
     def recording_forward(self, hidden_states, attention_mask=None, **kw):  # whether document ids arrive
         with_documents.append(attention_mask is not None)
@@ -94,11 +102,12 @@ def worker():
     ContextParallelMLASelfAttention.__init__ = mla_init
     try:
         for name in opts.layouts.split(","):
-            kda_layers.clear(), with_documents.clear(), mla_layers.clear()
+            kda_layers.clear(), kda_modules.clear(), with_documents.clear(), mla_layers.clear()
             results[name], grads = _train(name, _flags(name))
             results[name]["kda layers"] = sorted(set(kda_layers))
             results[name]["kda forwards with documents"] = sorted(set(with_documents))
             results[name]["mla layers (number, no rope)"] = sorted(set(mla_layers))
+            results[name]["kda replayed"] = sum(m.kept_exchanges.replayed for m in kda_modules)
             torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     finally:
         KimiDeltaAttention.__init__, KimiDeltaAttention.forward = real_init, real_forward
@@ -122,6 +131,12 @@ def runs(quick):
         return done[name]
 
     return get
+
+
+def test_cp_aware_recompute_replays_the_kda_layers_exchanges(runs):
+    """Full recompute at CP2: each KDA layer's recompute replays its first forward's gathers (2 iterations x 4
+    microbatches x 2 KDA layers), and the run equals CP1 (test_kimi_linear_matches_cp1[cp2_recompute_docs])."""
+    assert runs("cp2_recompute_docs")[0]["kda replayed"] == 16 and runs("cp2_ring_docs")[0]["kda replayed"] == 0
 
 
 @pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK else [])
