@@ -3,8 +3,8 @@ own ``KimiLinearForCausalLM``.
 
 Two small random models (`tests.hf.hf_models`, `_kimi_config`: KDA and NoPE MLA layers, a dense first layer or none,
 sigmoid-routed experts with the correction bias and shared experts) are imported, then scored by this file's worker at
-CP1, CP2 ring, CP2 all-gather (the MLA layers'), CP4 ring, TP2+SP and EP2: a full forward of 192 tokens, three of
-KDA's 64-token chunks, in the training layout (each CP rank its zigzag shard; at CP > 1 and TP 1 the MLA layers
+CP1, CP2 ring, CP2 all-gather (the MLA layers'), CP4 ring, Ulysses 2 x ring 2, TP2+SP and EP2: a full forward of 192
+tokens, three of KDA's 64-token chunks, in the training layout (each CP rank its zigzag shard; at CP > 1 and TP 1 the MLA layers
 exchange the latent). ``kimi_linear`` is the release's layout (no q-LoRA, rms_norm_eps 1e-5 against the latent norm's
 1e-6) saved as transformers saves a bf16 model: bf16, its router, correction bias and dt_bias in fp32, sharded;
 ``kimi_linear_q_lora`` (q-LoRA, group-limited routing, MoE on every layer, the 0/1 layer list) is fp32, one file.
@@ -50,6 +50,7 @@ GRIDS = {  # name: (ranks, flags)
     "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
     "cp4_ring": (4, CP4),
+    "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
 }
 CASES = ("one_document", "two_documents")
 QUICK = ("kimi_linear", "cp2_ring")  # the quick subset's case (pytest -m quick)

@@ -4,7 +4,8 @@ transformers' own Qwen3-Next and Qwen3.5-MoE code.
 Two small random models (`tests.hf.hf_models`, `_linear_config`: every layer type present, linear and softmax
 attention, dense and MoE MLPs, the shared expert's gate; Qwen3-Next sharded with an index, Qwen3.5-MoE one
 file with tied embeddings) are imported, then scored by this file's worker at CP1, CP2 ring, CP2 all-gather
-(the softmax layers'), CP4 ring, TP2+SP and EP2 (Ulysses is refused for GDN layers at parse time): a full
+(the softmax layers'), CP4 ring, Ulysses 2 x ring 2 (the linear layers' heads over Ulysses too), TP2+SP and EP2: a
+full
 forward of 192 tokens, three of GDN's 64-token chunks, in the training layout (each CP rank its zigzag shard).
 Two cases per model and grid:
 
@@ -49,6 +50,7 @@ GRIDS = {  # name: (ranks, flags)
     "tp2sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
     "cp4_ring": (4, CP4),
+    "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
 }
 CASES = ("one_document", "two_documents")
 QUICK = ("qwen3_next", "cp2_ring")  # the quick subset's case (pytest -m quick)
