@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.launch import REPO_ROOT, launch, run_script, worker_args, write_results  # noqa: E402
+from tests.hf.logprob_grids import check_logprobs, draw_inputs, run_worker, scores_getter  # noqa: E402
+from tests.launch import REPO_ROOT, run_script  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "convert_hf.py"
 FAMILIES = {"qwen3_next": "40KB", "qwen3_5_moe": None}  # how each is saved: sharded at that size, or one file
@@ -52,69 +53,14 @@ GRIDS = {  # name: (ranks, flags)
     "cp4_ring": (4, CP4),
     "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
 }
-CASES = ("one_document", "two_documents")
 QUICK = ("qwen3_next", "cp2_ring")  # the quick subset's case (pytest -m quick)
 
 
 # ----------------------------------------------------------------------------- worker
-def _score(model, tokens, position_ids, document_ids):
-    """Log-probabilities [s, vocab] of the next token at every position of the full sequence ``tokens``, the model
-    run on this rank's shard in the training layout; the same on every rank."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from cp_ext import parallel_state as cp_state
-
-    s = tokens.numel()
-    positions = cp_state.get_context_parallel_positions(s, model.config.cp_layout)
-    documents = None if document_ids is None else document_ids[positions][None]
-    with torch.no_grad():
-        logits = model(tokens[positions][None], position_ids[positions][None], documents)[0]  # [s_local, vocab / TP]
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous())
-    full = torch.zeros(s, logits.shape[-1])
-    full[positions] = torch.log_softmax(logits.float(), dim=-1)
-    if parallel_state.get_context_parallel_world_size() > 1:  # each position on one CP rank, zeros elsewhere
-        dist.all_reduce(full, group=parallel_state.get_context_parallel_group())
-    return full
-
-
 def worker():
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from cp_ext.arguments import parse_args
-    from cp_ext.training.model_from_flags import model_from_flags
-
-    opts = worker_args(sys.argv[1:], required=["--grids", "--inputs"])
-    inputs = json.loads(Path(opts.inputs).read_text())
-    results = {"results_dir": opts.results_dir}
-    for grid in opts.grids.split(","):
-        for family, given in inputs.items():
-            ckpt = Path(given["ckpt"])
-            # --reset-position-ids: RoPE at the positions given (per document in the packed case)
-            args = parse_args(["--config", str(ckpt / "model.yaml"), "--load", str(ckpt), "--finetune",
-                               "--seq-length", str(LENGTH), "--reset-position-ids", "--device", "cpu", *GRIDS[grid][1]])
-            stack, _ = model_from_flags(args)
-            model = stack.chunks[0].eval()
-            one = torch.tensor(given["one_document"])
-            docs = [torch.tensor(d) for d in given["two_documents"]]
-            scores = {
-                "one_document": _score(model, one, torch.arange(one.numel()), None),
-                "two_documents": _score(model, torch.cat(docs), torch.cat([torch.arange(d.numel()) for d in docs]),
-                                        torch.cat([torch.full_like(d, i) for i, d in enumerate(docs)])),
-            }
-            if int(os.environ["RANK"]) == 0:
-                path = Path(opts.results_dir, f"{grid}_{family}.pt")
-                torch.save(scores, path)
-                results[f"{grid}/{family}"] = str(path)
-            del stack, model
-    write_results(opts.results_dir, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    """Every grid's log-probs (`tests.hf.logprob_grids.run_worker`); RoPE at each packed document's own positions."""
+    run_worker(sys.argv[1:], GRIDS, ["--seq-length", str(LENGTH), "--reset-position-ids", "--device", "cpu"],
+               per_document_positions=True)
 
 
 # ----------------------------------------------------------------------------- pytest
@@ -122,8 +68,6 @@ def worker():
 def converted(tmp_path_factory):
     """{family: (hf dir, checkpoint dir, transformers model, token ids)}: each model saved, imported, and its
     inputs drawn (one document of LENGTH tokens ending in transformers' greedy tokens; two documents)."""
-    import torch
-
     from tests.hf.hf_models import tiny_hf
 
     root = tmp_path_factory.mktemp("qwen3_next")
@@ -134,15 +78,7 @@ def converted(tmp_path_factory):
         model.save_pretrained(hf, **({"max_shard_size": shard} if shard else {}))
         proc = run_script(0, TOOL, "import", "--hf-dir", hf, "--save", ckpt)
         assert "convert_hf:" in proc.stdout, proc.stdout[-2000:]
-        draw = torch.Generator().manual_seed(7)
-        prompt = torch.randint(0, model.config.vocab_size, (1, LENGTH - NEW_TOKENS), generator=draw)
-        with torch.no_grad():
-            ids = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=0)[0]
-        docs = [torch.randint(0, model.config.vocab_size, (n,), generator=draw) for n in DOCUMENTS]
-        ids = {"one_document": ids.tolist(), "two_documents": [d.tolist() for d in docs]}
-        reference = {"one_document": _reference(model, ids["one_document"]),  # each document alone
-                     "two_documents": torch.cat([_reference(model, d) for d in ids["two_documents"]])}
+        ids, reference = draw_inputs(model, LENGTH, NEW_TOKENS, DOCUMENTS)
         out[family] = (hf, ckpt, model, ids, reference)
     assert (out["qwen3_next"][0] / "model.safetensors.index.json").exists()  # the sharded case is sharded
     return out
@@ -150,45 +86,16 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scores(converted, tmp_path_factory, quick):
-    """``scores(grid, family)``: cp_ext's {case: log-probs [s, vocab]}; one launch per world size, every grid of
-    that size in it (under ``-m quick`` the one grid asked for)."""
-    import torch
-
+    """``scores(grid, family)``: cp_ext's {case: log-probs [s, vocab]} (`tests.hf.logprob_grids.scores_getter`)."""
     inputs = tmp_path_factory.mktemp("qwen3_next_inputs") / "inputs.json"
-    inputs.write_text(json.dumps({f: dict(ckpt=str(ckpt), **ids) for f, (_, ckpt, _, ids, _) in converted.items()}))
-    done = {}
-
-    def get(grid, family):
-        if grid not in done:
-            world = GRIDS[grid][0]
-            grids = [grid] if quick else [g for g, (size, _) in GRIDS.items() if size == world]
-            results = launch(__file__, world, "--grids", ",".join(grids), "--inputs", inputs, timeout=1200)[0]
-            done.update(dict.fromkeys(grids, results))
-        return torch.load(done[grid][f"{grid}/{family}"])
-
-    return get
-
-
-def _reference(model, ids):
-    """transformers' log-probabilities [s, vocab] of the fp32 logits of one document."""
-    import torch
-
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor(ids)[None]).logits.float()[0], dim=-1)
+    return scores_getter(__file__, GRIDS, converted, inputs, quick)
 
 
 @pytest.mark.parametrize("family, grid", [pytest.param(f, g, marks=[pytest.mark.quick] if (f, g) == QUICK else [])
                                           for f in FAMILIES for g in GRIDS])
 def test_logprobs_equal_transformers(converted, scores, family, grid):
     _, _, _, ids, reference = converted[family]
-    ours = scores(grid, family)
-    for case in CASES:
-        assert ours[case].shape == reference[case].shape, case
-        error = (ours[case] - reference[case]).abs().max()
-        assert error <= 1e-4, (case, error)
-    one = ids["one_document"]
-    prompt = len(one) - NEW_TOKENS  # transformers' greedy tokens are cp_ext's argmax after the prompt
-    assert ours["one_document"][prompt - 1:-1].argmax(-1).tolist() == one[prompt:]
+    check_logprobs(scores(grid, family), reference, ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
