@@ -5,8 +5,8 @@ Two small random models (`tests.hf.hf_models`, `_kimi_config`: KDA and NoPE MLA 
 sigmoid-routed experts with the correction bias and shared experts) are imported, then scored by this file's worker at
 CP1, CP2 ring, CP2 all-gather (the MLA layers'), CP4 ring, Ulysses 2 x ring 2, TP2+SP and EP2: a full forward of 192
 tokens, three of KDA's 64-token chunks, in the training layout (each CP rank its zigzag shard; at CP > 1 and TP 1
-the MLA layers exchange the latent). ``kimi_linear`` is the release's layout (no q-LoRA, rms_norm_eps 1e-5 against the latent norm's
-1e-6) saved as transformers saves a bf16 model: bf16, its router, correction bias and dt_bias in fp32, sharded;
+the MLA layers exchange the latent). ``kimi_linear`` is the release's layout (no q-LoRA, rms_norm_eps 1e-5 against
+the latent norm's 1e-6) saved as transformers saves a bf16 model: bf16, its router, correction bias and dt_bias in fp32, sharded;
 ``kimi_linear_q_lora`` (q-LoRA, group-limited routing, MoE on every layer, the 0/1 layer list) is fp32, one file.
 Two cases per model and grid:
 
