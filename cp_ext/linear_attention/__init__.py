@@ -7,7 +7,9 @@ folded in sequence order, or with `ring_exchange` the state passed point to poin
 `head_parallel` megatron-core's method (all-to-all to head shards and back) and the Ulysses x state-passing
 hybrid; `context_parallel` the entry point that picks among them; `conv` the causal depthwise convolution
 before the rule and its halo across CP ranks; `segments` which segments a CP rank holds and the
-differentiable all-gather they share. Not yet wired into a model or flags.
+differentiable all-gather they share (and `KeptExchanges`, their replay under CP-aware recompute);
+`generation_state` a layer's generation cache; `fla_kernels` fla's Triton kernels on CUDA. The layers that use
+them are `cp_ext.transformer.linear_mixer`'s.
 """
 
 from cp_ext.linear_attention.context_parallel import METHODS, context_parallel_linear_attention

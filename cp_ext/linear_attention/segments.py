@@ -5,8 +5,9 @@ A segment is a run of consecutive global positions that one rank holds, read fro
 rank r holds chunks r and 2C-1-r (two segments, even where they happen to be adjacent, so every rank sends
 the same shapes); contiguous gives rank r the r-th of C blocks (one segment). A recurrence crosses segment
 boundaries in global order, so the CP ops exchange one small tensor per segment (`gather_in_sequence_order`)
-and every rank reads them in sequence order. Only the ring layouts: not Ulysses, not dynamic CP's
-per-document zigzag (`DocumentZigzag`), whose segments would differ from rank to rank.
+and every rank reads them in sequence order. Only the ring layouts: Ulysses hands the ring its shard first
+(`head_parallel`), and dynamic CP's per-document zigzag runs one unit at a time, each a zigzag of its own
+(`cp_ext.transformer.linear_mixer`).
 """
 
 import collections
