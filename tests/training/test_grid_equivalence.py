@@ -443,6 +443,41 @@ def _assert_same(result, reference, tolerances=None):
     assert norm_units and all(ref_grads[u].abs().max() > 0 for u in norm_units), "norm grads must be non-trivial"
 
 
+class LinearLayerWatch:
+    """Inside ``with``: every ``cls`` (a linear-attention mixer) built, and whether each of its forwards got document
+    ids; `record(prefix)` after a run: {"<prefix> layers": their numbers, "<prefix> forwards with documents": [bool],
+    "<prefix> replayed": recomputes served from kept gathers}; `reset` before the next run."""
+
+    def __init__(self, cls):
+        self.cls, self.modules, self.with_documents = cls, [], []
+
+    def __enter__(self):
+        self.real = self.cls.__init__, self.cls.forward
+        watch, (real_init, real_forward) = self, self.real
+
+        def init(module, *a, **kw):
+            real_init(module, *a, **kw)
+            watch.modules.append(module)
+
+        def forward(module, hidden_states, attention_mask=None, **kw):
+            watch.with_documents.append(attention_mask is not None)
+            return real_forward(module, hidden_states, attention_mask, **kw)
+
+        self.cls.__init__, self.cls.forward = init, forward
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.__init__, self.cls.forward = self.real
+
+    def reset(self):
+        self.modules.clear(), self.with_documents.clear()
+
+    def record(self, prefix):
+        return {f"{prefix} layers": sorted({m.layer_number for m in self.modules}),
+                f"{prefix} forwards with documents": sorted(set(self.with_documents)),
+                f"{prefix} replayed": sum(m.kept_exchanges.replayed for m in self.modules)}
+
+
 def launch_layouts(script, world, names, timeout=1200):
     """Run ``names`` in one launch of ``world`` ranks of ``script``'s worker (``--layouts``; each rank saves its
     gradient slices as grads_<name>_rank<r>.pt): {name: (rank 0's metrics, every full gradient, float64)}."""

@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.launch import worker_args, write_results  # noqa: E402
-from tests.training.test_grid_equivalence import MODEL, _assert_same, _train, launch_layouts  # noqa: E402
+from tests.training.test_grid_equivalence import MODEL, LinearLayerWatch, _assert_same, _train, launch_layouts  # noqa: E402
 
 KIMI_LINEAR = ["--experimental-attention-variant", "kda", "--linear-attention-freq", "2",
                "--linear-num-key-heads", "2", "--linear-num-value-heads", "2", "--linear-key-head-dim", "8",
@@ -81,36 +81,23 @@ def worker():
 
     opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}
-    kda_layers, kda_modules, with_documents, mla_layers = [], [], [], []
-    real_init, real_forward = KimiDeltaAttention.__init__, KimiDeltaAttention.forward
+    mla_layers = []
     real_mla_init = ContextParallelMLASelfAttention.__init__
-
-    def counting_init(self, *a, **kw):  # which layers are KDA on this rank
-        real_init(self, *a, **kw)
-        kda_layers.append(self.layer_number)
-        kda_modules.append(self)
-
-    def recording_forward(self, hidden_states, attention_mask=None, **kw):  # whether document ids arrive
-        with_documents.append(attention_mask is not None)
-        return real_forward(self, hidden_states, attention_mask, **kw)
 
     def mla_init(self, *a, **kw):  # which layers are MLA, and whether they rotate
         real_mla_init(self, *a, **kw)
         mla_layers.append((self.layer_number, self.no_rope))
 
-    KimiDeltaAttention.__init__, KimiDeltaAttention.forward = counting_init, recording_forward
     ContextParallelMLASelfAttention.__init__ = mla_init
     try:
-        for name in opts.layouts.split(","):
-            kda_layers.clear(), kda_modules.clear(), with_documents.clear(), mla_layers.clear()
-            results[name], grads = _train(name, _flags(name))
-            results[name]["kda layers"] = sorted(set(kda_layers))
-            results[name]["kda forwards with documents"] = sorted(set(with_documents))
-            results[name]["mla layers (number, no rope)"] = sorted(set(mla_layers))
-            results[name]["kda replayed"] = sum(m.kept_exchanges.replayed for m in kda_modules)
-            torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+        with LinearLayerWatch(KimiDeltaAttention) as watch:
+            for name in opts.layouts.split(","):
+                watch.reset(), mla_layers.clear()
+                results[name], grads = _train(name, _flags(name))
+                results[name].update(watch.record("kda"))
+                results[name]["mla layers (number, no rope)"] = sorted(set(mla_layers))
+                torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
     finally:
-        KimiDeltaAttention.__init__, KimiDeltaAttention.forward = real_init, real_forward
         ContextParallelMLASelfAttention.__init__ = real_mla_init
     write_results(opts.results_dir, results)
     dist.destroy_process_group()

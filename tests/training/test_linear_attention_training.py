@@ -25,7 +25,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.launch import worker_args, write_results  # noqa: E402
-from tests.training.test_grid_equivalence import DOC_FLAGS, MODEL, _assert_same, _train, launch_layouts  # noqa: E402
+from tests.training.test_grid_equivalence import (DOC_FLAGS, MODEL, LinearLayerWatch, _assert_same, _train,  # noqa: E402
+                                                   launch_layouts)  # noqa: E402
 
 QWEN3_NEXT = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
               "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
@@ -81,29 +82,12 @@ def worker():
 
     opts = worker_args(sys.argv[1:], required=["--layouts"])
     results = {"results_dir": opts.results_dir}
-    built, built_modules, with_documents = [], [], []
-    real_init, real_forward = GatedDeltaNet.__init__, GatedDeltaNet.forward
-
-    def counting_init(self, *a, **kw):  # which layers are Gated DeltaNet on this rank
-        real_init(self, *a, **kw)
-        built.append(self.layer_number)
-        built_modules.append(self)
-
-    def recording_forward(self, hidden_states, attention_mask=None, **kw):  # whether document ids arrive
-        with_documents.append(attention_mask is not None)
-        return real_forward(self, hidden_states, attention_mask, **kw)
-
-    GatedDeltaNet.__init__, GatedDeltaNet.forward = counting_init, recording_forward
-    try:
+    with LinearLayerWatch(GatedDeltaNet) as watch:
         for name in opts.layouts.split(","):
-            built.clear(), built_modules.clear(), with_documents.clear()
+            watch.reset()
             results[name], grads = _train(name, _flags(name))
-            results[name]["gdn layers"] = sorted(set(built))
-            results[name]["gdn forwards with documents"] = sorted(set(with_documents))
-            results[name]["gdn replayed"] = sum(m.kept_exchanges.replayed for m in built_modules)
+            results[name].update(watch.record("gdn"))
             torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
-    finally:
-        GatedDeltaNet.__init__, GatedDeltaNet.forward = real_init, real_forward
     write_results(opts.results_dir, results)
     dist.destroy_process_group()
 
