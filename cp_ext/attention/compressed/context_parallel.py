@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cp_ext.attention.compressed.attention import attend
-from cp_ext.attention.compressed.compressor import Compressor, form_entries
+from cp_ext.attention.compressed.compressor import Compressor, form_entries, interleaved_rope
 from cp_ext.attention.compressed.exchange import fetch_rows, gather_entries
 from cp_ext.attention.compressed.plan import SequencePlan
 from cp_ext.attention.compressed.selection import select_entries
@@ -71,12 +71,16 @@ class Indexer:
 def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, spec: CompressedAttentionSpec, *,
                          positions: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
                          group: Optional[dist.ProcessGroup] = None, compressor: Optional[Compressor] = None,
-                         indexer: Optional[Indexer] = None) -> torch.Tensor:
-    """q [s_local, b, H, D], kv [s_local, b, D] (normed, RoPE applied), sinks [H] -> [s_local, b, H, D] in q's dtype.
+                         indexer: Optional[Indexer] = None, rope_inv_freq: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
+    """q [s_local, b, H, D], kv [s_local, b, D] (normed), sinks [H] -> [s_local, b, H, D] in q's dtype.
 
     ``positions`` [s_local]: this rank's global positions (`cp_ext.token_partition`); ``document_ids``
     [b, s_local] (packed documents; negative: padding); ``group``: the CP group (None: one process).
-    ``compressor``: HCA's or CSA's; ``indexer``: CSA's."""
+    ``compressor``: HCA's or CSA's; ``indexer``: CSA's. ``rope_inv_freq``: V4's RoPE of q and kv (the
+    output rotated back); with it, each token's position is its offset in its document, and the indexer's
+    queries are rotated with the compressor's ``inv_freq``. Without it, q, kv and the indexer's queries
+    come rotated and the output is not rotated back."""
     if (spec.kind == "sliding") != (compressor is None) or (spec.kind == "csa") != (indexer is not None):
         raise ValueError(f"a {spec.kind} layer takes {'no' if spec.kind == 'sliding' else 'a'} compressor and "
                          f"{'an' if spec.kind == 'csa' else 'no'} indexer")
@@ -91,7 +95,8 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
             sample = document_ids[b:b + 1].to(q.device)
             docs = [d[0] for d in gather_parts(sample, group)] if size > 1 else [sample[0]]
         plan = SequencePlan.build(every_position, docs)
-        outs.append(_one_sample(q[:, b], kv[:, b], sinks, spec, plan, rank, group, b, compressor, indexer))
+        outs.append(_one_sample(q[:, b], kv[:, b], sinks, spec, plan, rank, group, b, compressor, indexer,
+                                rope_inv_freq))
     return torch.stack(outs, dim=1).to(q.dtype)
 
 
@@ -105,11 +110,17 @@ def _table(x, plan, needs, rank, group, positions):
     return rows.index_select(0, order), at[order]
 
 
-def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer):
+def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, rope_inv_freq):
     acc = accum_dtype(q.dtype)
     device = q.device
     size = len(plan.positions)
     positions = plan.positions[rank].to(device)
+    index_q = None if indexer is None else indexer.q[:, b]
+    if rope_inv_freq is not None:  # each document is a sequence of its own: RoPE at the offset in it
+        offset = positions - plan.doc_start.to(device)[positions]
+        q, kv = interleaved_rope(q, offset, rope_inv_freq), interleaved_rope(kv, offset, rope_inv_freq)
+        if indexer is not None:
+            index_q = interleaved_rope(index_q, offset, indexer.compressor.inv_freq)
     doc = (plan.doc_start.masked_fill(plan.padding, -1)).to(device)
     key_doc = (plan.doc_start.masked_fill(plan.padding, -2)).to(device)
     needs = [plan.window_needs(r, spec.window) for r in range(size)]
@@ -132,9 +143,10 @@ def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer):
         entries = gathered[:, :compressor.width]
         entry_docs = key_doc[entry_positions]
         if indexer is not None:
-            selection = select_entries(indexer.q[:, b], indexer.weights[:, b], gathered[:, compressor.width:],
+            selection = select_entries(index_q, indexer.weights[:, b], gathered[:, compressor.width:],
                                        entry_positions, entry_docs, positions, doc[positions], spec.index_topk,
                                        spec.query_tile, spec.key_tile)
-    return attend(q.to(acc), positions, doc[positions], keys.to(acc), key_positions, key_doc[key_positions], sinks,
-                  window=spec.window, scale=spec.scale, entries=entries, entry_positions=entry_positions,
-                  entry_docs=entry_docs, selection=selection, query_tile=spec.query_tile)
+    out = attend(q.to(acc), positions, doc[positions], keys.to(acc), key_positions, key_doc[key_positions], sinks,
+                 window=spec.window, scale=spec.scale, entries=entries, entry_positions=entry_positions,
+                 entry_docs=entry_docs, selection=selection, query_tile=spec.query_tile)
+    return out if rope_inv_freq is None else interleaved_rope(out, offset, rope_inv_freq, inverse=True)

@@ -62,8 +62,9 @@ def shard_positions(case, rank):
     return context_parallel_positions(case["s"], ring_rank=rank, ring_size=cp, layout=case["layout"])
 
 
-def run_layer(t, case, positions, group, document_ids=None):
-    """cp_ext's path on this rank's rows of ``t``: the shard's inputs in, out [s_local, H, D] back."""
+def run_layer(t, case, positions, group, document_ids=None, rope_inv_freq=None):
+    """cp_ext's path on this rank's rows of ``t``: the shard's inputs in, out [s_local, H, D] back (``rope_inv_freq``:
+    q, kv and the indexer's queries come unrotated, and the output is rotated back)."""
     from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention
     from tests.attention.compressed.reference import D, DI, EPS, RATES, inv_freq
 
@@ -81,7 +82,7 @@ def run_layer(t, case, positions, group, document_ids=None):
         indexer = Indexer(local["idx_q"].unsqueeze(1), local["idx_w"].unsqueeze(1), idx_comp)
     out = compressed_attention(local["q"].unsqueeze(1), local["kv"].unsqueeze(1), t["sinks"], spec,
                                positions=positions, document_ids=document_ids, group=group, compressor=comp,
-                               indexer=indexer)
+                               indexer=indexer, rope_inv_freq=rope_inv_freq)
     return out[:, 0]
 
 

@@ -49,9 +49,13 @@ def hf_layer(kind):
     return config, layer, DeepseekV4RotaryEmbedding(config).double()
 
 
-def per_token_inputs(layer, rotary, hidden, kind):
-    """The reference's inputs from transformers' modules: q, kv (normed, RoPE), the compressors' rows."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+def per_token_inputs(layer, rotary, hidden, kind, rotate=True):
+    """The reference's inputs from transformers' modules: q, kv (normed, RoPE unless not ``rotate``), the
+    compressors' rows."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as hf_rope
+
+    def apply_rotary_pos_emb(x, cos, sin):  # unrotated for cp_ext's layer path: compressed_attention rotates
+        return hf_rope(x, cos, sin) if rotate else x
 
     positions = torch.arange(S).unsqueeze(0)
     rope_type = "main" if kind == "sliding" else "compress"
@@ -97,8 +101,14 @@ def test_reference_is_transformers(kind):
         got_reference = finish(layer, ref.reference(t, kind, WINDOW, TOPK, [S]), cos, sin)
         case = dict(kind=kind, window=WINDOW, s=S)
         got_cp_ext = finish(layer, run_layer(t, case, torch.arange(S), None), cos, sin)
+        # the layer's path: unrotated inputs, compressed_attention rotates (and rotates the output back)
+        raw, _, _ = per_token_inputs(layer, rotary, hidden, kind, rotate=False)
+        freq = rotary.main_inv_freq if kind == "sliding" else rotary.compress_inv_freq
+        rotating = run_layer(raw, case, torch.arange(S), None, rope_inv_freq=freq.double())
+        got_rotating = layer.o_b_proj(layer.o_a_proj(rotating.reshape(1, S, config.o_groups, -1)).flatten(2))[0]
     assert (got_reference - want[0]).abs().max().item() < TOLERANCE
     assert (got_cp_ext - want[0]).abs().max().item() < TOLERANCE
+    assert (got_rotating - want[0]).abs().max().item() < TOLERANCE
     if kind == "csa":
         ties, gap = ref.selection_gaps(t, "csa", TOPK, [S])
         assert ties == 0 and 1e-6 < gap < 1, (ties, gap)
