@@ -11,6 +11,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from cp_ext.arguments.deepseek_v4 import layer_kinds
 from cp_ext.arguments.linear_attention import LINEAR_VARIANTS
 from cp_ext.arguments.network import GPT_OSS_YARN
 from cp_ext.megatron_compat import ROUTER_SCALES_AUX_LOSS_BY_TP_CP
@@ -58,6 +59,34 @@ class ContextParallelTransformerConfig(TransformerConfig):
 
     dsa_dense_warmup: bool = False
     """``--dsa-dense-warmup``: V3.2's first stage, dense attention and only the indexer trained."""
+
+    dsv4_layer_kinds: Optional[List[str]] = None
+    """``--experimental-attention-variant dsv4_hybrid``: each layer's DeepSeek-V4 attention, "sliding", "csa" or
+    "hca" (from ``--csa-compress-ratios``; `cp_ext.transformer.compressed_attention`); None: not V4."""
+
+    csa_window_size: int = 128
+    """V4: the sliding window every layer reads."""
+
+    csa_compress_ratio_for_c: int = 4
+    """V4: CSA's block of tokens per entry."""
+
+    csa_compress_ratio_for_h: int = 128
+    """V4: HCA's block of tokens per entry."""
+
+    csa_compress_rotary_base: float = 40000.0
+    """V4: the RoPE base of the CSA and HCA layers (the sliding layers use ``rotary_base``)."""
+
+    csa_attention_sink: bool = True
+    """V4: a per-head sink logit in the softmax (``--csa-no-attention-sink``: none)."""
+
+    csa_dense_mode: bool = False
+    """V4: CSA layers read every complete entry, with no indexer."""
+
+    o_groups: int = 8
+    """V4: groups of heads of the grouped output projection."""
+
+    o_lora_rank: int = 1024
+    """V4: each group's rank in the grouped output projection."""
 
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
@@ -166,6 +195,8 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         **(_mla_rope(args) if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         dsa=args.experimental_attention_variant == "dsa",
+        dsv4_layer_kinds=layer_kinds(args) if args.experimental_attention_variant == "dsv4_hybrid" else None,
+        csa_attention_sink=not args.csa_no_attention_sink,
         linear_attention_variant=(args.experimental_attention_variant
                                   if args.experimental_attention_variant in LINEAR_VARIANTS else None),
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,

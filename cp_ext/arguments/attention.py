@@ -34,6 +34,7 @@ And one of cp_ext's own (Megatron-LM has no such flag):
 import argparse
 import os
 
+from cp_ext.arguments.deepseek_v4 import add_deepseek_v4_args, deepseek_v4_problems
 from cp_ext.arguments.dsa import add_dsa_args, dsa_problems
 from cp_ext.arguments.linear_attention import add_linear_attention_args, linear_attention_problems
 from cp_ext.arguments.parallel import runs_on_cpu
@@ -122,7 +123,8 @@ def mla_flag_problems(args):
         p.append("--qk-layernorm with --multi-latent-attention at --tensor-model-parallel-size > 1 needs "
                  "--sequence-parallel: without it the q-LoRA norm's gradient is the same on every TP rank and "
                  "megatron-core's finalize_model_grads sums it over TP anyway; add --sequence-parallel")
-    if getattr(args, "reset_position_ids", False):
+    v4 = args.experimental_attention_variant == "dsv4_hybrid"  # V4's layers rotate at each document's offsets
+    if getattr(args, "reset_position_ids", False) and not v4:
         p.append("--reset-position-ids is not supported with --multi-latent-attention yet (MLA's layers build their "
                  "own RoPE, which takes no per-batch positions); drop it")
     return p
@@ -191,6 +193,7 @@ def add_attention_group(parser):
     add_attention_args(g)
     add_mla_args(g)
     add_dsa_args(g)
+    add_deepseek_v4_args(g)
     add_linear_attention_args(g)
     g.add_argument("--attention-backend", default=os.environ.get("CP_EXT_ATTN_KERNEL") or "auto",
                    choices=list(ATTENTION_BACKENDS),
@@ -264,4 +267,4 @@ def fill_attention_defaults(args):
 
 def attention_problems(args):
     return (_attention_problems(args) + attention_flag_problems(args) + dsa_problems(args)
-            + linear_attention_problems(args))
+            + linear_attention_problems(args) + deepseek_v4_problems(args))

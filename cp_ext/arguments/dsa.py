@@ -15,7 +15,7 @@ with ``--no-load-optim`` (the parse-time check says so).
 
 from cp_ext.flag_types import POSITIVE
 
-VARIANTS = ("dsa", "gated_delta_net", "kda")
+VARIANTS = ("dsa", "gated_delta_net", "kda", "dsv4_hybrid")
 DSA_SIZE_FLAGS = {"dsa_indexer_n_heads": "--dsa-indexer-n-heads", "dsa_indexer_head_dim": "--dsa-indexer-head-dim",
                   "dsa_indexer_topk": "--dsa-indexer-topk"}
 V32_SIZES = {"dsa_indexer_n_heads": 64, "dsa_indexer_head_dim": 128, "dsa_indexer_topk": 2048}
@@ -26,7 +26,8 @@ def add_dsa_args(g):
                    help="dsa: DeepSeek-V3.2's sparse attention (with --multi-latent-attention), exact on the CP ring "
                         "and all-gather; gated_delta_net: Qwen3-Next's linear attention on the layers "
                         "--linear-attention-freq names, exact under CP by state passing; kda: Kimi-Linear's Kimi "
-                        "Delta Attention there, the same way")
+                        "Delta Attention there, the same way; dsv4_hybrid: DeepSeek-V4's sliding-window, CSA and HCA "
+                        "layers (with --multi-latent-attention and --csa-compress-ratios)")
     g.add_argument("--dsa-indexer-n-heads", type=POSITIVE, default=None,
                    help="DSA: the lightning indexer's heads (DeepSeek-V3.2: 64)")
     g.add_argument("--dsa-indexer-head-dim", type=POSITIVE, default=None,
@@ -71,6 +72,8 @@ def _cp_problems(args):
 def dsa_problems(args):
     """Configuration errors of the DSA flags, naming the flag and the fix."""
     variant = args.experimental_attention_variant
+    if variant == "dsv4_hybrid":  # V4's CSA layers take the indexer flags (`cp_ext.arguments.deepseek_v4`)
+        return []
     if variant != "dsa":
         return _given_without_dsa(args)
     p = []

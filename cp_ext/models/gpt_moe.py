@@ -17,6 +17,9 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
       mlp                -> megatron MoELayer (TopKRouter, SequentialMLP experts, shared experts) or MLP
         experts.linear_fc1 -> cp_ext ExpertColumnParallelLinear (expert-TP != TP: reduced over expert-DP)
         experts.linear_fc2 -> cp_ext ExpertRowParallelLinear    (that, and biased experts: GPT-OSS)
+      self_attention with --experimental-attention-variant dsv4_hybrid -> cp_ext CompressedAttention
+                         (DeepSeek-V4's sliding, CSA or HCA layer by --csa-compress-ratios, every CP type:
+                         `cp_ext.transformer.compressed_attention`)
       self_attention on the layers --linear-attention-freq marks linear (--experimental-attention-variant
                          gated_delta_net) -> cp_ext GatedDeltaNet (megatron 0.19's parameters, CP by state
                          passing: `cp_ext.transformer.gated_delta_net`), or (kda) cp_ext KimiDeltaAttention
@@ -60,6 +63,7 @@ from cp_ext.models.parameter_slices import iter_global_slices
 from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
 from cp_ext.transformer.gated_delta_net import GatedDeltaNet
@@ -107,7 +111,23 @@ def get_decoder_block_spec(config: TransformerConfig, linear_layers: bool = True
     block.layer_norm = SequenceParallelNorm
     if linear_layers and getattr(config, "linear_attention_variant", None):
         block.layer_specs = with_linear_attention(block.layer_specs, config)
+    if getattr(config, "dsv4_layer_kinds", None):
+        block.layer_specs = with_compressed_attention(block.layer_specs, config)
     return block
+
+
+def with_compressed_attention(local_specs, config: TransformerConfig):
+    """This stage's layer specs with DeepSeek-V4's attention (`cp_ext.transformer.compressed_attention`) in every
+    self-attention seat, each layer of its kind in ``config.dsv4_layer_kinds`` (sliding, CSA, HCA)."""
+    offset = get_transformer_layer_offset(config)
+    out = []
+    for local, spec in enumerate(local_specs):
+        spec = copy.copy(spec)
+        spec.submodules = copy.copy(spec.submodules)
+        spec.submodules.self_attention = ModuleSpec(module=CompressedAttention,
+                                                    params={"kind": config.dsv4_layer_kinds[offset + local]})
+        out.append(spec)
+    return out
 
 
 LINEAR_ATTENTION_MODULES = {"gated_delta_net": GatedDeltaNet, "kda": KimiDeltaAttention}

@@ -423,8 +423,10 @@ def test_fully_masked_cp_shard(runs):
     _assert_same(result, runs("cp1_masked"))
 
 
-def _assert_same(result, reference, tolerances=None):
-    """``tolerances``: {substring of a unit: relative tolerance} for gradients looser than 1e-5 (each says why)."""
+def _assert_same(result, reference, tolerances=None, no_main_loss_grad=()):
+    """``tolerances``: {substring of a unit: relative tolerance} for gradients looser than 1e-5 (each says why);
+    ``no_main_loss_grad``: substrings of units the loss does not reach (DeepSeek-V4's indexer), left out of the
+    check that every norm learns."""
     (run, grads), (ref, ref_grads) = result, reference
     for key in ("lm loss", "load balancing loss", "grad norm", *[k for k in ref if k.startswith("mtp_")],
                 *[k for k in ref if k == "indexer loss"]):
@@ -439,7 +441,7 @@ def _assert_same(result, reference, tolerances=None):
         scale = max(ref.abs().max().item(), 1e-3 * largest)
         tol = next((t for part, t in (tolerances or {}).items() if part in unit), 1e-5)
         assert err <= tol * scale, f"{unit}: max |grad - ref| = {err:.3e}, max |ref| = {scale:.3e}"
-    norm_units = [u for u in ref_grads if "norm" in u]
+    norm_units = [u for u in ref_grads if "norm" in u and not any(part in u for part in no_main_loss_grad)]
     assert norm_units and all(ref_grads[u].abs().max() > 0 for u in norm_units), "norm grads must be non-trivial"
 
 
@@ -478,10 +480,10 @@ class LinearLayerWatch:
                 f"{prefix} replayed": sum(m.kept_exchanges.replayed for m in self.modules)}
 
 
-def launch_layouts(script, world, names, timeout=1200):
-    """Run ``names`` in one launch of ``world`` ranks of ``script``'s worker (``--layouts``; each rank saves its
-    gradient slices as grads_<name>_rank<r>.pt): {name: (rank 0's metrics, every full gradient, float64)}."""
-    results = launch(script, world, "--layouts", ",".join(names), timeout=timeout)
+def launch_layouts(script, world, names, timeout=1200, extra=()):
+    """Run ``names`` in one launch of ``world`` ranks of ``script``'s worker (``--layouts``, then ``extra``; each rank
+    saves its gradient slices as grads_<name>_rank<r>.pt): {name: (rank 0's metrics, every full gradient, float64)}."""
+    results = launch(script, world, "--layouts", ",".join(names), *extra, timeout=timeout)
     out_dir = Path(results[0]["results_dir"])
     done = {}
     for n in names:

@@ -5,6 +5,8 @@ For a query ``t`` with heads ``q_h`` and one K=V head::
     keys(t) = window(t) + entries(t)          window(t) = { j : t - W < j <= t, same document }
     out_h(t) = sum_k softmax_k( [q_h . k * scale for k in keys(t)] + [sink_h] ) * k     (the sink drops out)
 
+(without sinks the softmax is over the keys alone).
+
 ``entries(t)``: HCA, every complete entry of the document with key position <= t; CSA, the indexer's
 selection (`selection.select_entries`); sliding layers, none. This is transformers'
 ``eager_attention_forward`` with V4's sliding mask and block bias. Computed per tile of queries in
@@ -25,10 +27,10 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, q_docs: torch.Tensor, key
     """q [s, H, D] (accumulation dtype) at ``q_positions`` [s] -> out [s, H, D].
 
     ``keys`` [K, D] at ``key_positions`` (increasing); ``*_docs``: each row's document start (padding: a
-    value no query shares). ``entries`` [E, D] at ``entry_positions`` (increasing): read densely (HCA), or
+    value no query shares); ``sinks`` [H], or None (no sink). ``entries`` [E, D] at ``entry_positions`` (increasing): read densely (HCA), or
     through ``selection`` [s, k] (CSA, -1 unused)."""
     outs = []
-    sink = sinks.to(q.dtype).view(-1, 1, 1)
+    sink = None if sinks is None else sinks.to(q.dtype).view(-1, 1, 1)
     for r0 in range(0, q.shape[0], query_tile):
         rows = slice(r0, min(q.shape[0], r0 + query_tile))
         qt, t, td = q[rows], q_positions[rows].view(-1, 1), q_docs[rows].view(-1, 1)
@@ -48,7 +50,11 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, q_docs: torch.Tensor, key
             chosen = selection[rows]
             picked = entries[chosen.clamp(min=0)]  # [T, k, D]
             logits.append(torch.einsum("thd,tkd->htk", qt, picked).mul(scale).masked_fill(chosen < 0, float("-inf")))
-        logits.append(sink.expand(-1, qt.shape[0], 1))
+        if sink is not None:
+            logits.append(sink.expand(-1, qt.shape[0], 1))
+        else:  # a padding query reads nothing: a zero logit of its own keeps its softmax finite and its output 0
+            nothing = torch.stack([(x == float("-inf")).all(-1) for x in logits]).all(0)
+            logits.append(torch.zeros_like(nothing, dtype=qt.dtype).masked_fill(~nothing, float("-inf")).unsqueeze(-1))
         probs = torch.cat(logits, dim=-1).softmax(dim=-1)
         out = torch.einsum("htk,kd->thd", probs[..., :kw.shape[0]], kw)
         if entries is not None and selection is None:

@@ -40,12 +40,14 @@ KINDS = ("sliding", "hca", "csa")
 @dataclass(frozen=True)
 class CompressedAttentionSpec:
     """A V4 layer type: ``kind`` (sliding window only, heavily compressed, compressed sparse), the window,
-    the softmax scale (``head_dim ** -0.5``), and CSA's ``index_topk``; tiles bound the memory."""
+    the softmax scale (``head_dim ** -0.5``), and CSA's ``index_topk`` (``dense``: CSA reads every complete
+    entry, no indexer: ``--csa-dense-mode``); tiles bound the memory."""
 
     kind: str
     window: int
     scale: float
     index_topk: int = 0
+    dense: bool = False
     query_tile: int = 256
     key_tile: int = 4096
 
@@ -54,7 +56,7 @@ class CompressedAttentionSpec:
             raise ValueError(f"unknown V4 attention kind {self.kind!r}; choose one of {KINDS}")
         if self.window < 1:
             raise ValueError(f"the sliding window must be >= 1, got {self.window}")
-        if self.kind == "csa" and self.index_topk < 1:
+        if self.kind == "csa" and not self.dense and self.index_topk < 1:
             raise ValueError(f"CSA's index_topk must be >= 1, got {self.index_topk}")
 
 
@@ -81,9 +83,10 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
     output rotated back); with it, each token's position is its offset in its document, and the indexer's
     queries are rotated with the compressor's ``inv_freq``. Without it, q, kv and the indexer's queries
     come rotated and the output is not rotated back."""
-    if (spec.kind == "sliding") != (compressor is None) or (spec.kind == "csa") != (indexer is not None):
-        raise ValueError(f"a {spec.kind} layer takes {'no' if spec.kind == 'sliding' else 'a'} compressor and "
-                         f"{'an' if spec.kind == 'csa' else 'no'} indexer")
+    sparse = spec.kind == "csa" and not spec.dense
+    if (spec.kind == "sliding") != (compressor is None) or sparse != (indexer is not None):
+        raise ValueError(f"a {spec.kind} layer{' in dense mode' if spec.dense else ''} takes "
+                         f"{'no' if spec.kind == 'sliding' else 'a'} compressor and {'an' if sparse else 'no'} indexer")
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if size == 1 else dist.get_rank(group)
     positions = positions.to(device=q.device, dtype=torch.int64)

@@ -1,0 +1,157 @@
+"""DeepSeek-V4's attention (``--experimental-attention-variant dsv4_hybrid``) trains the same model on every grid it
+runs on: the whole model, through the trainer, against CP = 1 (fp32, 2 iterations).
+
+The model is test_grid_equivalence's small MoE GPT with V4's attention in every layer: ``--csa-compress-ratios
+[0,4,8,4]`` makes layer 1 sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
+query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), each PP2 stage holding a CSA
+layer; a window of 8, one K=V head of 16 with 4 channels rotated (V4's RoPE: 160000 on the compressed layers),
+q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of rank 8. 32 tokens per sample: at CP4 zigzag
+each rank holds two 4-token chunks, shorter than the window and than an HCA block, so the halo comes from several
+ranks and blocks straddle shards.
+
+Compared, as in test_grid_equivalence (`_assert_same`): lm loss, load-balancing loss and grad norm of both
+iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the q-LoRA, K=V head, sinks, grouped
+output and the compressors'), reassembled from the ranks' slices through the checkpoint map. The indexer gets no
+gradient from the main loss (transformers' V4 neither). Grids: CP2 ring (zigzag, contiguous), CP4, Ulysses 2 x
+ring 2 (the layers run their exchange over the whole CP group), TP2+SP, TP2+SP x CP2, PP2 x CP2, EP2 x CP2, full
+recompute, and packed documents (``--reset-attention-mask``: windows and blocks stop at document ends) at CP1,
+CP2 and CP4. At CP = 1 the worker records the smallest relative gap between a query's k-th and (k+1)-th indexer
+scores, which must exceed 1e-4 (exact zeros tie alike on every layout and are not gaps). Launches: 1, 2 and 4 ranks.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.launch import worker_args, write_results  # noqa: E402
+from tests.training.test_grid_equivalence import DOC_FLAGS, MODEL, _assert_same, _train, launch_layouts  # noqa: E402
+
+V4 = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--v-head-dim", "16",
+      "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid",
+      "--csa-compress-ratios", "[0,4,8,4]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
+      "--csa-compress-rotary-base", "160000", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
+      "--dsa-indexer-topk", "2", "--o-groups", "2", "--o-lora-rank", "8", "--init-method-std", "0.2"]
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+GRIDS = {  # name: (ranks, flags)
+    "cp2_ring": (2, CP2),
+    "cp2_ring_contiguous": (2, CP2 + ["--cp-load-balance", "none"]),
+    "cp2_recompute": (2, CP2 + RECOMPUTE),
+    "cp4_ring": (4, CP4),
+    "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
+    "tp2sp": (2, TP2SP),
+    "tp2sp_cp2": (4, TP2SP + CP2),
+    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2"] + CP2),
+    "ep2_cp2": (4, ["--expert-model-parallel-size", "2"] + CP2),
+}
+RUNS = {"cp1": (1, [], None), "cp1_docs": (1, DOC_FLAGS, None), "cp1_corpus": (1, [], None)}
+for _name, (_ranks, _flags) in GRIDS.items():
+    RUNS[_name] = (_ranks, _flags, "cp1")
+RUNS["cp2_ring_docs"] = (2, CP2 + DOC_FLAGS, "cp1_docs")
+RUNS["cp4_ring_docs"] = (4, CP4 + DOC_FLAGS, "cp1_docs")
+QUICK = ("cp2_ring",)
+
+
+def _flags(name, docs=None):
+    """``docs``: the short-documents corpus (tests/conftest.py), which the packed-document runs read."""
+    return MODEL + V4 + RUNS[name][1] + (["--data-path", docs] if name.endswith(("_docs", "_corpus")) else [])
+
+
+def _recording_gaps(record):
+    """`select_entries` that records, per call, the smallest relative gap between a query's k-th and (k+1)-th
+    indexer scores where both exist and are not an exact-zero tie (those tie alike everywhere)."""
+    import torch
+
+    from cp_ext.attention.compressed import context_parallel as cp
+    from cp_ext.attention.dsa.indexer import index_scores
+
+    original = cp.select_entries
+
+    def select(q, w, keys, key_positions, key_docs, q_positions, q_docs, topk, *args):
+        scores = index_scores(q[None], w[None], keys[None])[0]
+        readable = (key_positions[None, :] <= q_positions[:, None]) & (key_docs[None, :] == q_docs[:, None])
+        ranked = scores.masked_fill(~readable, float("-inf")).sort(dim=-1, descending=True).values
+        if ranked.shape[1] > topk:
+            kth, nxt = ranked[:, topk - 1], ranked[:, topk]
+            has = torch.isfinite(nxt) & (kth != 0)
+            if has.any():
+                record.append(((kth - nxt).abs() / torch.maximum(kth.abs(), nxt.abs()))[has].min().item())
+        return original(q, w, keys, key_positions, key_docs, q_positions, q_docs, topk, *args)
+
+    return cp, original, select
+
+
+# ----------------------------------------------------------------------------- worker
+def worker():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    opts = worker_args(sys.argv[1:], required=["--layouts", "--docs"])
+    results = {"results_dir": opts.results_dir}
+    for name in opts.layouts.split(","):
+        gaps = []
+        module, original, recording = _recording_gaps(gaps)
+        module.select_entries = recording
+        try:
+            results[name], grads = _train(name, _flags(name, opts.docs))
+        finally:
+            module.select_entries = original
+        results[name]["min topk gap"] = min(gaps) if gaps else None
+        torch.save(grads, Path(opts.results_dir, f"grads_{name}_rank{os.environ['RANK']}.pt"))
+    write_results(opts.results_dir, results)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- pytest
+@pytest.fixture(scope="module")
+def runs(quick, short_documents):
+    """``runs(name)``: (rank 0's metrics, full gradients); one launch per world size."""
+    done = {}
+
+    def get(name):
+        world = RUNS[name][0]
+        if name not in done:
+            wanted = [name] if quick else [n for n, (size, _, _) in RUNS.items() if size == world]
+            done.update(launch_layouts(__file__, world, wanted, timeout=1200, extra=("--docs", short_documents)))
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK else [])
+                                    for n, (_, _, ref) in RUNS.items() if ref])
+def test_v4_matches_cp1(layout, runs):
+    reference, result = runs(RUNS[layout][2]), runs(layout)
+    assert reference[0]["min topk gap"] > 1e-4, reference[0]["min topk gap"]
+    _assert_same(result, reference, no_main_loss_grad=(".indexer.",))
+    attention = [u for u in reference[1] if ".self_attention." in u and ".indexer." not in u]
+    parts = {u.split(".self_attention.")[1].split(".")[0] for u in attention}
+    assert parts == {"linear_q_down_proj", "q_down_norm", "linear_q_up_proj", "linear_kv_proj", "kv_layernorm",
+                     "sinks", "linear_o_group_proj", "linear_proj", "compressor"}, parts
+    assert all(reference[1][u].abs().max() > 0 for u in attention), "every attention parameter learns"
+
+
+def test_layer_kinds_and_the_indexer(runs):
+    """Layers 2 and 4 hold a compressor and an indexer (CSA), layer 3 a compressor (HCA), layer 1 neither; the
+    indexer takes no gradient from the main loss."""
+    grads = runs("cp1")[1]  # units: decoder.layers.<parameter>.<0-based layer>
+    compressors = sorted({u.rsplit(".", 1)[1] for u in grads if ".self_attention.compressor." in u})
+    indexers = sorted({u.rsplit(".", 1)[1] for u in grads if ".self_attention.indexer." in u})
+    assert compressors == ["1", "2", "3"] and indexers == ["1", "3"], (compressors, indexers)
+    assert all(grads[u].abs().max() == 0 for u in grads if ".indexer." in u)
+
+
+def test_documents_reach_the_layers(runs):
+    """On the short-documents corpus --reset-attention-mask changes the loss: V4's windows, blocks and positions
+    stop at the documents' ends (and the CP layouts equal CP = 1's there: test_v4_matches_cp1)."""
+    plain, docs = runs("cp1_corpus")[0]["lm loss"][0], runs("cp1_docs")[0]["lm loss"][0]
+    assert abs(plain - docs) > 1e-3 * abs(plain), (plain, docs)
+
+
+if __name__ == "__main__":
+    worker()
