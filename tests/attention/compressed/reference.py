@@ -66,8 +66,9 @@ def topk_earliest_first(scores, k):
 
 
 def document(t, kind, window, topk, comp=None, idx=None):
-    """One document's attention output [n, H, D]; t: dict of this document's tensors (rows first)."""
-    q, kv, sinks = t["q"], t["kv"], t["sinks"]
+    """One document's attention output [n, H, D]; t: dict of this document's tensors (rows first). No "sinks" in
+    ``t``: no sink logit; ``topk`` None: CSA reads every complete entry (``--csa-dense-mode``)."""
+    q, kv, sinks = t["q"], t["kv"], t.get("sinks")
     n = q.shape[0]
     i = torch.arange(n)
     logits = torch.einsum("thd,jd->htj", q, kv) * D ** -0.5
@@ -78,7 +79,7 @@ def document(t, kind, window, topk, comp=None, idx=None):
         entries = compress(t["comp_rows"], t["comp_bias"], t["comp_norm"], rate, D, kind == "csa", inv_freq())
         count = entries.shape[0]
         readable = torch.arange(count)[None, :] < ((i + 1) // rate)[:, None]  # [n, E]
-        if kind == "csa" and count:
+        if kind == "csa" and count and topk is not None:
             keys = compress(t["idx_rows"], t["idx_bias"], t["idx_norm"], rate, DI, True, inv_freq())
             scores = torch.einsum("thd,ed->the", t["idx_q"], keys).relu()
             scores = (scores * t["idx_w"].unsqueeze(-1)).sum(1).masked_fill(~readable, float("-inf"))
@@ -88,8 +89,10 @@ def document(t, kind, window, topk, comp=None, idx=None):
         entry_logits = torch.einsum("thd,ed->hte", q, entries) * D ** -0.5
         logits = torch.cat([logits, entry_logits.masked_fill(~readable, float("-inf"))], dim=-1)
         values = torch.cat([kv, entries])
-    logits = torch.cat([logits, sinks.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
-    probs = logits.softmax(-1)[..., :-1]
+    if sinks is None:
+        probs = logits.softmax(-1)
+    else:
+        probs = torch.cat([logits, sinks.view(-1, 1, 1).expand(-1, n, 1)], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("htj,jd->thd", probs, values)
 
 
@@ -112,8 +115,9 @@ def document_lengths(s, docs):
     return [b - a for a, b in zip([0] + cuts, cuts + [s])]
 
 
-def inputs(kind, s, seed, dtype=torch.float64):
-    """The case's leaves (float64, requires_grad where the loss reaches them) and the output gradient."""
+def inputs(kind, s, seed, dtype=torch.float64, sinks=True):
+    """The case's leaves (float64, requires_grad where the loss reaches them) and the output gradient; ``sinks``
+    False: none (``--csa-no-attention-sink``)."""
     g = torch.Generator().manual_seed(seed)
     rate = RATES.get(kind, 4)
 
@@ -142,6 +146,8 @@ def inputs(kind, s, seed, dtype=torch.float64):
         t["idx_q"] = q_idx
         t["idx_w"] = randn(s, IDX_HEADS).abs() * (IDX_HEADS * DI) ** -0.5
     grad = randn(s, HEADS, D)
+    if not sinks:
+        del t["sinks"]
     t = {k: v.to(dtype) for k, v in t.items()}
     for k in ("q", "kv", "sinks", "comp_rows", "comp_bias", "comp_norm"):
         if k in t:

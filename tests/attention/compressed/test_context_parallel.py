@@ -6,7 +6,8 @@ contiguous, and the Ulysses x ring layout U2 x R2 (cp_ext's hybrid token layout 
 with and without packed documents (`reference.document_lengths`: documents shorter than a block, starting
 mid-shard). Sizes: sequences of 40 and 44 tokens, so shards of 5 and 11 tokens are not multiples of CSA's
 rate (4) or HCA's (8), and windows of 8 and 16 reach over shards shorter than the window (the halo comes
-from several ranks); queries before the first complete block read only their window.
+from several ranks); queries before the first complete block read only their window. Also CSA without its indexer
+(``--csa-dense-mode``) and layers without sinks (``--csa-no-attention-sink``).
 
 Each rank records the max |error| of the output and of every gradient (q, kv, sinks, the compressor's rows,
 position bias and norm weight) at its positions against float64 truth, and CSA's selection against the
@@ -40,8 +41,15 @@ def _cases():
             for docs in (False, True):
                 cases.append(dict(kind=kind, cp=cp, layout=layout, s=s, window=window, docs=docs, dtype="fp32"))
         cases.append(dict(kind=kind, cp=4, layout="zigzag", s=40, window=8, docs=True, dtype="fp64"))
+    # --csa-dense-mode (CSA without its indexer) and --csa-no-attention-sink
+    for kind, cp, layout, dense, sinks in [("csa", 4, "zigzag", True, True), ("csa", 4, "hybrid", True, False),
+                                           ("hca", 4, "contiguous", False, False), ("sliding", 2, "zigzag", False, False)]:
+        cases.append(dict(kind=kind, cp=cp, layout=layout, s=44 if layout == "contiguous" else 40, window=8,
+                          docs=True, dtype="fp32", dense=dense, sinks=sinks))
     for c in cases:
-        c["name"] = f"{c['kind']}-cp{c['cp']}-{c['layout']}-s{c['s']}-w{c['window']}-{c['dtype']}" + ("-docs" if c["docs"] else "")
+        c["name"] = (f"{c['kind']}-cp{c['cp']}-{c['layout']}-s{c['s']}-w{c['window']}-{c['dtype']}"
+                     + ("-docs" if c["docs"] else "") + ("-dense" if c.get("dense") else "")
+                     + ("-nosink" if not c.get("sinks", True) else ""))
     return cases
 
 
@@ -71,16 +79,18 @@ def run_layer(t, case, positions, group, document_ids=None, rope_inv_freq=None):
     kind = case["kind"]
     local = {k: (v.index_select(0, positions) if k not in ("sinks", "comp_bias", "comp_norm", "idx_bias", "idx_norm")
                  else v) for k, v in t.items()}
-    spec = CompressedAttentionSpec(kind, case["window"], D ** -0.5, index_topk=TOPK, query_tile=5, key_tile=3)
+    dense = case.get("dense", False)
+    spec = CompressedAttentionSpec(kind, case["window"], D ** -0.5, index_topk=TOPK, dense=dense, query_tile=5,
+                                   key_tile=3)
     comp = indexer = None
     if kind != "sliding":
         comp = Compressor(local["comp_rows"].unsqueeze(1), RATES[kind], D, kind == "csa", local["comp_bias"],
                           local["comp_norm"], EPS, inv_freq().to(t["q"].dtype))
-    if kind == "csa":
+    if kind == "csa" and not dense:
         idx_comp = Compressor(local["idx_rows"].unsqueeze(1), RATES[kind], DI, True, local["idx_bias"],
                               local["idx_norm"], EPS, inv_freq().to(t["q"].dtype))
         indexer = Indexer(local["idx_q"].unsqueeze(1), local["idx_w"].unsqueeze(1), idx_comp)
-    out = compressed_attention(local["q"].unsqueeze(1), local["kv"].unsqueeze(1), t["sinks"], spec,
+    out = compressed_attention(local["q"].unsqueeze(1), local["kv"].unsqueeze(1), t.get("sinks"), spec,
                                positions=positions, document_ids=document_ids, group=group, compressor=comp,
                                indexer=indexer, rope_inv_freq=rope_inv_freq)
     return out[:, 0]
@@ -102,17 +112,18 @@ def _worker():
         group = pairs[rank // 2] if case["cp"] == 2 else dist.group.WORLD
         dtype = torch.float64 if case["dtype"] == "fp64" else torch.float32
         lengths = ref.document_lengths(case["s"], case["docs"])
-        truth_t, grad = ref.inputs(case["kind"], case["s"], seed=len(case["name"]) + 7)
-        truth = ref.forward_backward(lambda t: ref.reference(t, case["kind"], case["window"], TOPK, lengths), truth_t, grad)
-        single_t, single_grad = ref.inputs(case["kind"], case["s"], seed=len(case["name"]) + 7, dtype=dtype)
-        single = ref.forward_backward(lambda t: ref.reference(t, case["kind"], case["window"], TOPK, lengths),
+        topk, sinks, seed = None if case.get("dense") else TOPK, case.get("sinks", True), len(case["name"]) + 7
+        truth_t, grad = ref.inputs(case["kind"], case["s"], seed=seed, sinks=sinks)
+        truth = ref.forward_backward(lambda t: ref.reference(t, case["kind"], case["window"], topk, lengths), truth_t, grad)
+        single_t, single_grad = ref.inputs(case["kind"], case["s"], seed=seed, dtype=dtype, sinks=sinks)
+        single = ref.forward_backward(lambda t: ref.reference(t, case["kind"], case["window"], topk, lengths),
                                       single_t, single_grad)
         positions = shard_positions(case, rank)
         doc_ids = None
         if case["docs"]:
             ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
             doc_ids = ids.index_select(0, positions).unsqueeze(0)
-        t, _ = ref.inputs(case["kind"], case["s"], seed=len(case["name"]) + 7, dtype=dtype)
+        t, _ = ref.inputs(case["kind"], case["s"], seed=seed, dtype=dtype, sinks=sinks)
         local_grad = single_grad.index_select(0, positions)
 
         def run(t):
@@ -136,7 +147,7 @@ def _worker():
             err[name] = [(value.double() - want).abs().max().item(), want.abs().max().item(),
                          (have_single.double() - want).abs().max().item()]
         res = {"err": err}
-        if case["kind"] == "csa":
+        if case["kind"] == "csa" and topk is not None:
             res["ties"], res["gap"] = ref.selection_gaps(truth_t, "csa", TOPK, lengths)
         results[case["name"]] = res
     write_results(args.results_dir, results)
@@ -149,7 +160,8 @@ def results():
 
 @pytest.mark.parametrize("case", case_params(CASES, QUICK))
 def test_matches_float64_reference(results, case):
-    names = ["out"] + [k for k in GRAD_TENSORS if case["kind"] != "sliding" or not k.startswith("comp")]
+    names = ["out"] + [k for k in GRAD_TENSORS if (case["kind"] != "sliding" or not k.startswith("comp"))
+                       and (k != "sinks" or case.get("sinks", True))]
     for rank in range(NPROC):
         err = results[rank][case["name"]]["err"]
         if case["dtype"] == "fp64":
@@ -163,7 +175,7 @@ def test_matches_float64_reference(results, case):
 def test_the_indexer_boundary_has_exact_ties_and_wide_gaps(results):
     """The CSA cases are not carried by luck: ties sit at the k-th place, and other gaps are wide."""
     for case in CASES:
-        if case["kind"] != "csa":
+        if case["kind"] != "csa" or case.get("dense"):
             continue
         res = results[0][case["name"]]
         if not case["docs"]:  # (the packed documents are too short to hold more than k entries)
