@@ -18,6 +18,8 @@ def training_line(args, world_size, dp_size, num_microbatches, device, rank_0_pa
 
 def attention_kernel_line(config, device):
     """The startup line saying which local attention kernel runs (what ``auto`` picked)."""
+    if getattr(config, "dsv4_layer_kinds", None):
+        return _deepseek_v4_line(config)
     kernel, head_dim = config.attention_kernel, config.kv_channels
     window = getattr(config, "window_size", None)
     mla = getattr(config, "multi_latent_attention", False)
@@ -40,6 +42,21 @@ def attention_kernel_line(config, device):
     if config.context_parallel_size == 1 and not extras:  # CoreAttention keeps F.sdpa there
         line += "; at CP = 1 outside CP-aware recompute, torch's F.scaled_dot_product_attention picks its own"
     return line
+
+
+def _deepseek_v4_line(config):
+    """DeepSeek-V4's layers: their kinds, the window, and what crosses CP ranks (`cp_ext.attention.compressed`)."""
+    kinds = config.dsv4_layer_kinds
+    counts = ", ".join(f"{kinds.count(k)} {name}" for k, name in (("sliding", "sliding"), ("csa", "CSA"),
+                                                                  ("hca", "HCA")) if k in kinds)
+    csa = ("every complete entry (dense mode)" if config.csa_dense_mode else
+           f"its top-{config.dsa_indexer_topk} entries by a {config.dsa_indexer_n_heads}-head indexer")
+    cp = ("" if config.context_parallel_size == 1 else
+          f"; CP sends each shard's window halo ({config.csa_window_size - 1} tokens of {config.v_head_dim} values) "
+          f"and the compressed entries, never the query heads")
+    return (f"attention: DeepSeek-V4 ({counts}; window {config.csa_window_size}; CSA blocks of "
+            f"{config.csa_compress_ratio_for_c} read {csa}; HCA blocks of {config.csa_compress_ratio_for_h}; "
+            f"{'sinks' if config.csa_attention_sink else 'no sinks'}; torch, {dtype_name(config.params_dtype)}){cp}")
 
 
 def _dsa_note(config):
