@@ -88,6 +88,16 @@ class ContextParallelTransformerConfig(TransformerConfig):
     o_lora_rank: int = 1024
     """V4: each group's rank in the grouped output projection."""
 
+    enable_hyper_connections: bool = False
+    """``--enable-hyper-connections``: ``num_residual_streams`` residual streams per token, mixed around every block
+    (`cp_ext.transformer.hyper_connections`)."""
+
+    num_residual_streams: int = 4
+    """Hyper-connections: streams per token."""
+
+    mhc_sinkhorn_iterations: int = 20
+    """Hyper-connections: Sinkhorn normalizations of the stream mixing."""
+
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
     call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped

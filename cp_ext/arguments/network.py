@@ -7,6 +7,7 @@ defaults are Megatron-LM's, so a script that omits a flag builds what Megatron-L
 defaults to 0, not 0.1 (cp_ext's CP attention runs without dropout; see --attention-dropout).
 """
 
+from cp_ext.arguments.hyper_connections import add_hyper_connection_args, hyper_connection_problems
 from cp_ext.flag_types import FRACTION, POSITIVE, layer_freq_type, number
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
@@ -64,6 +65,7 @@ def add_network_args(parser):
                    help="with --mtp-num-layers: one MTP layer's weights for every depth (megatron-core 0.17 and later)")
     g.add_argument("--mtp-loss-scaling-factor", type=number(float, 0), default=0.1,
                    help="with --mtp-num-layers: the weight of the MTP losses' mean over the depths in the loss")
+    add_hyper_connection_args(g)
     _add_position_embedding_args(g)
 
 
@@ -186,7 +188,7 @@ def network_problems(args):
         p.append(f"biases in the MoE experts (the default; Megatron-LM's --disable-bias-linear drops them) run at "
                  f"--expert-tensor-parallel-size up to --tensor-model-parallel-size {tp}, and it is {etp}; lower it "
                  f"or add --disable-bias-linear")
-    return p + _mtp_problems(args)
+    return p + _mtp_problems(args) + hyper_connection_problems(args)
 
 
 def _no_rope_problems(args, rope):

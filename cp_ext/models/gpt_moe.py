@@ -24,6 +24,8 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
                          gated_delta_net) -> cp_ext GatedDeltaNet (megatron 0.19's parameters, CP by state
                          passing: `cp_ext.transformer.gated_delta_net`), or (kda) cp_ext KimiDeltaAttention
                          (Kimi-Linear, `cp_ext.transformer.kimi_delta_attention`), in a copy of that layer's spec
+    (--enable-hyper-connections: each layer cp_ext HyperConnectionTransformerLayer, megatron's layer with the mHC
+                            stream mixings in place of its residual adds: `cp_ext.transformer.hyper_connections`)
     final_layernorm      -> cp_ext SequenceParallelNorm
     mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
                             shards), its norms SequenceParallelNorm, its layer the last one's seats
@@ -64,6 +66,7 @@ from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.compressed_attention import CompressedAttention
+from cp_ext.transformer.hyper_connections import HyperConnectionTransformerLayer
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
 from cp_ext.transformer.gated_delta_net import GatedDeltaNet
@@ -113,7 +116,15 @@ def get_decoder_block_spec(config: TransformerConfig, linear_layers: bool = True
         block.layer_specs = with_linear_attention(block.layer_specs, config)
     if getattr(config, "dsv4_layer_kinds", None):
         block.layer_specs = with_compressed_attention(block.layer_specs, config)
+    if getattr(config, "enable_hyper_connections", False):
+        block.layer_specs = [_with_module(spec, HyperConnectionTransformerLayer) for spec in block.layer_specs]
     return block
+
+
+def _with_module(spec: ModuleSpec, module) -> ModuleSpec:
+    spec = copy.copy(spec)
+    spec.module = module
+    return spec
 
 
 def with_compressed_attention(local_specs, config: TransformerConfig):
@@ -258,6 +269,8 @@ def _init_full_tensor(key: str, unit: str, shape, seed: int, std: float, num_lay
     generator = torch.Generator().manual_seed(_key_seed(seed, unit))
     if name == "dt_bias" and linear_attention_variant == "kda":
         return dt_bias_init(torch.rand(shape, generator=generator))
+    if name == "mix_scale":  # hyper-connections' scales start at 1 (transformers' DeepSeek-V4)
+        return torch.ones(shape)
     if name.endswith("bias") or name == "dt_bias":
         return torch.ones(shape) if name == "dt_bias" else torch.zeros(shape)
     if name == "A_log":

@@ -24,6 +24,7 @@ from cp_ext.models.mtp import MTPLosses
 from cp_ext.training.batches import microbatches
 from cp_ext.console import print_rank_0
 from cp_ext.training.steps import forward_step
+from cp_ext.transformer.hyper_connections import pipeline_seq_length
 
 SPLIT_NAMES = {"valid": "validation", "test": "test"}
 
@@ -55,7 +56,7 @@ def evaluate_losses(trainer, dataset, eval_iters):
             )
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=trainer.model,
-                num_microbatches=trainer.num_microbatches, seq_length=args.seq_length,
+                num_microbatches=trainer.num_microbatches, seq_length=pipeline_seq_length(args),
                 micro_batch_size=args.micro_batch_size, forward_only=True,
             )
             total += trainer.lm_loss_sums(reports)

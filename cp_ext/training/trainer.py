@@ -50,6 +50,7 @@ from cp_ext.transformer.dsa import INDEXER_LOSSES
 from cp_ext.training.signals import ExitConditions
 from cp_ext.training.model_from_flags import leave_distributed
 from cp_ext.training.steps import forward_step
+from cp_ext.transformer.hyper_connections import pipeline_seq_length
 
 
 def train_samples(args):
@@ -154,7 +155,7 @@ class Trainer:
             data_iterator=data,
             model=self.model,
             num_microbatches=num_microbatches,
-            seq_length=args.seq_length,
+            seq_length=pipeline_seq_length(args),
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )

@@ -5,7 +5,8 @@ The model is test_grid_equivalence's small MoE GPT with V4's attention in every 
 [0,4,8,4]`` makes layer 1 sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
 query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), each PP2 stage holding a CSA
 layer; a window of 8, one K=V head of 16 with 4 channels rotated (V4's RoPE: 160000 on the compressed layers),
-q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of rank 8. 32 tokens per sample: at CP4 zigzag
+q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of rank 8, and V4's hyper-connections (4 residual
+streams, 20 Sinkhorn iterations; between PP stages the streams travel as 4 rows per token). 32 tokens per sample: at CP4 zigzag
 each rank holds two 4-token chunks, shorter than the window and than an HCA block, so the halo comes from several
 ranks and blocks straddle shards.
 
@@ -32,7 +33,8 @@ V4 = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "
       "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid",
       "--csa-compress-ratios", "[0,4,8,4]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
       "--csa-compress-rotary-base", "160000", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
-      "--dsa-indexer-topk", "2", "--o-groups", "2", "--o-lora-rank", "8", "--init-method-std", "0.2"]
+      "--dsa-indexer-topk", "2", "--o-groups", "2", "--o-lora-rank", "8", "--init-method-std", "0.2",
+      "--enable-hyper-connections", "--num-residual-streams", "4", "--mhc-sinkhorn-iterations", "20"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -134,6 +136,9 @@ def test_v4_matches_cp1(layout, runs):
     assert parts == {"linear_q_down_proj", "q_down_norm", "linear_q_up_proj", "linear_kv_proj", "kv_layernorm",
                      "sinks", "linear_o_group_proj", "linear_proj", "compressor"}, parts
     assert all(reference[1][u].abs().max() > 0 for u in attention), "every attention parameter learns"
+    mixing = [u for u in reference[1] if "_hc." in u or ".hc_head." in u]
+    assert {u.split(".")[2] for u in mixing} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
+    assert all(reference[1][u].abs().max() > 0 for u in mixing), "every hyper-connection parameter learns"
 
 
 def test_layer_kinds_and_the_indexer(runs):

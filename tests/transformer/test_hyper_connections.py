@@ -1,0 +1,89 @@
+"""DeepSeek-V4's hyper-connections (`cp_ext.transformer.hyper_connections`) against transformers'
+``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` and its decoder layer's mixing, float64, random weights
+(transformers initialises the biases to 0 and the scales to 1; here all are random, so every term counts).
+
+The whole model's hyper-connections under every grid: tests/training/test_deepseek_v4_training.py.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4")
+
+N, HIDDEN, ITERATIONS = 4, 8, 20
+TOLERANCE = 1e-6  # transformers mixes in fp32 (``.float()``) even in a float64 module; cp_ext in float64 here
+
+
+def _config():
+    from cp_ext.config import ContextParallelTransformerConfig
+
+    return ContextParallelTransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2,
+                                            enable_hyper_connections=True, num_residual_streams=N,
+                                            mhc_sinkhorn_iterations=ITERATIONS, use_cpu_initialization=True,
+                                            layernorm_epsilon=1e-6)
+
+
+def _hf_config():
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(hidden_size=HIDDEN, hc_mult=N, hc_sinkhorn_iters=ITERATIONS, hc_eps=1e-6, rms_norm_eps=1e-6,
+                            num_hidden_layers=1, vocab_size=16)
+
+
+def _randomize(*modules):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+
+
+def test_mixings_are_transformers():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    from cp_ext.transformer.hyper_connections import HyperConnection, mix_back
+
+    ours, theirs = HyperConnection(_config()).double(), DeepseekV4HyperConnection(_hf_config()).double()
+    _randomize(ours)
+    with torch.no_grad():
+        theirs.fn.copy_(ours.mix_weight), theirs.base.copy_(ours.mix_bias), theirs.scale.copy_(ours.mix_scale)
+    streams = torch.randn(2, 5, N, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    block = torch.randn(2, 5, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    post, comb, collapsed = ours(streams)
+    want_post, want_comb, want_collapsed = theirs(streams)
+    for got, want in ((post, want_post), (comb, want_comb), (collapsed, want_collapsed)):
+        assert (got - want).abs().max().item() < TOLERANCE
+    assert (comb.sum(-1) - 1).abs().max().item() < 1e-3 and (comb.sum(-2) - 1).abs().max().item() < 1e-4  # Sinkhorn (+ eps)
+    # transformers' DeepseekV4DecoderLayer: post * output + comb^T @ streams
+    want = want_post.unsqueeze(-1) * block.unsqueeze(-2) + torch.matmul(want_comb.transpose(-1, -2), streams)
+    assert (mix_back(streams, block, post, comb) - want).abs().max().item() < TOLERANCE
+
+
+def test_head_is_transformers():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    from cp_ext.transformer.hyper_connections import HyperHead
+
+    ours, theirs = HyperHead(_config()).double(), DeepseekV4HyperHead(_hf_config()).double()
+    _randomize(ours)
+    with torch.no_grad():
+        theirs.hc_fn.copy_(ours.mix_weight), theirs.hc_base.copy_(ours.mix_bias), theirs.hc_scale.copy_(ours.mix_scale)
+    streams = torch.randn(3, 2, N, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    assert (ours(streams) - theirs(streams)).abs().max().item() < TOLERANCE
+
+
+def test_sinkhorn_iterations_take_effect():
+    """--mhc-sinkhorn-iterations changes the mixing (1 normalizes the columns only)."""
+    from cp_ext.transformer.hyper_connections import HyperConnection
+
+    config = _config()
+    many = HyperConnection(config).double()
+    config.mhc_sinkhorn_iterations = 1
+    one = HyperConnection(config).double()
+    _randomize(many)
+    one.load_state_dict(many.state_dict())
+    streams = torch.randn(4, N, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    _, comb_many, _ = many(streams)
+    _, comb_one, _ = one(streams)
+    assert (comb_one.sum(-2) - 1).abs().max().item() < 1e-4
+    assert (comb_many - comb_one).abs().max().item() > 1e-3
