@@ -241,6 +241,9 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         variable_seq_lengths=bool(getattr(args, "dynamic_context_parallel", False))
         and args.pipeline_model_parallel_size > 1,
     )
+    if config.dsv4_layer_kinds:  # V4's one K=V head: Megatron-LM derives MLA's head dims from --v-head-dim
+        config.qk_head_dim = args.v_head_dim - args.qk_pos_emb_head_dim
+        config.kv_lora_rank = args.v_head_dim
     if args.position_embedding_type == "yarn" and not args.multi_latent_attention:
         # megatron-core's GPTModel reads its YaRN from yarn_* attributes that only some configs carry; these
         # are Megatron-LM's values (megatron/training/argument_utils.py), or with --enable-gpt-oss those of its

@@ -84,7 +84,7 @@ def layer_freq_type(text):
         if value < 1:
             raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
         return value
-    if any(c not in "0123456789[],*+ ()" for c in text):
+    if any(c not in "0123456789[],*+ ()" for c in text) or "**" in text:  # no powers: 9**9**9 would never return
         raise argparse.ArgumentTypeError(f"expected a list expression of 0/1 such as [1,1,0]*2, got {text!r}")
     try:
         value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and +: a list expression only

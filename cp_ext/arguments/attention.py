@@ -231,8 +231,8 @@ def _attention_problems(args):
         p.append(f"--attention-dropout {args.attention_dropout} is not supported by --attention-backend {backend} "
                  f"(cp_ext's kernels run without dropout); use --attention-backend auto or unfused, or set "
                  f"--attention-dropout 0")
-    if kernel == "auto":  # auto always finds a kernel: unfused runs everything
-        return p
+    if kernel == "auto" or args.experimental_attention_variant == "dsv4_hybrid":  # auto always finds a kernel
+        return p  # (unfused runs everything); V4's layers run their own torch attention
     mla = args.multi_latent_attention
     if not mla and args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         return p  # the head dim itself is reported by validate_args

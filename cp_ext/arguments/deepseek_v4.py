@@ -33,7 +33,7 @@ def compress_ratios_type(text):
     import argparse
 
     text = str(text).strip()
-    if any(c not in "0123456789[],*+ ()" for c in text):
+    if any(c not in "0123456789[],*+ ()" for c in text) or "**" in text:  # no powers: 9**9**9 would never return
         raise argparse.ArgumentTypeError(f"expected a list expression such as ([0,0]+[4,128]*2), got {text!r}")
     try:
         value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and +: a list expression only
@@ -128,7 +128,7 @@ def deepseek_v4_problems(args):
             p.append(f"the CSA layers of --csa-compress-ratios need their lightning indexer's {', '.join(missing)} "
                      f"(DeepSeek-V4: --dsa-indexer-n-heads 64 --dsa-indexer-head-dim 128 --dsa-indexer-topk 512), or "
                      f"--csa-dense-mode")
-        elif args.dsa_indexer_head_dim < args.qk_pos_emb_head_dim:
+        elif args.multi_latent_attention and args.dsa_indexer_head_dim < args.qk_pos_emb_head_dim:
             p.append(f"--dsa-indexer-head-dim {args.dsa_indexer_head_dim} is smaller than the RoPE part it rotates "
                      f"(--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim})")
     if args.v_head_dim <= args.qk_pos_emb_head_dim:

@@ -52,8 +52,8 @@ def _given_without_dsa(args):
     flags += ["--dsa-indexer-loss-coeff"] if args.dsa_indexer_loss_coeff is not None else []
     flags += ["--dsa-indexer-use-sparse-loss"] if args.dsa_indexer_use_sparse_loss else []
     flags += ["--dsa-dense-warmup"] if args.dsa_dense_warmup else []
-    return [f"{flag} applies to DeepSeek sparse attention; add --experimental-attention-variant dsa or drop it"
-            for flag in flags]
+    return [f"{flag} applies to DeepSeek sparse attention; add --experimental-attention-variant dsa (or dsv4_hybrid, "
+            f"whose CSA layers read the indexer flags) or drop it" for flag in flags]
 
 
 def _cp_problems(args):
