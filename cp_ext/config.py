@@ -98,6 +98,17 @@ class ContextParallelTransformerConfig(TransformerConfig):
     mhc_sinkhorn_iterations: int = 20
     """Hyper-connections: Sinkhorn normalizations of the stream mixing."""
 
+    router_score_function: str = "softmax"
+    """``--moe-router-score-function`` as given. With "sqrtsoftplus" (DeepSeek-V4) cp_ext's router scores
+    (`cp_ext.transformer.router`) and megatron's own ``moe_router_score_function`` reads "sigmoid": megatron-core
+    0.16.1 knows no sqrtsoftplus and allows the expert bias with sigmoid only (megatron_compat row)."""
+
+    moe_n_hash_layers: int = 0
+    """``--moe-n-hash-layers``: the first N MoE layers route by a frozen token -> experts table."""
+
+    padded_vocab_size: Optional[int] = None
+    """The embedding's rows (set where the model is built): the hash table's token range."""
+
     attention_kernel: str = "auto"
     """The local attention kernel (`cp_ext.attention.kernels.KERNELS`), or "auto": picked per
     call by device, dtype and head dim. From ``--attention-backend``, Megatron's names mapped
@@ -199,14 +210,18 @@ def _mla_rope(args):
 def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config_class = ContextParallelMLATransformerConfig if args.multi_latent_attention else ContextParallelTransformerConfig
+    fields = _one_to_one_fields(config_class, args)
+    if args.moe_router_score_function == "sqrtsoftplus":  # megatron's validation; cp_ext's router scores
+        fields["moe_router_score_function"] = "sigmoid"  # (`router_score_function`'s doc)
     config = config_class(
-        **_one_to_one_fields(config_class, args),
+        **fields,
         **_activation(args),
         **(_mla_rope(args) if args.multi_latent_attention else {}),
         cp_layout="zigzag" if args.cp_load_balance == "zigzag" else "contiguous",
         dsa=args.experimental_attention_variant == "dsa",
         dsv4_layer_kinds=layer_kinds(args) if args.experimental_attention_variant == "dsv4_hybrid" else None,
         csa_attention_sink=not args.csa_no_attention_sink,
+        router_score_function=args.moe_router_score_function,
         linear_attention_variant=(args.experimental_attention_variant
                                   if args.experimental_attention_variant in LINEAR_VARIANTS else None),
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,

@@ -4,7 +4,7 @@ rules megatron-core 0.16.1 asserts, said at parse time instead."""
 
 import argparse
 
-from cp_ext.flag_types import POSITIVE, flags_off_default, layer_freq_type, number
+from cp_ext.flag_types import NON_NEGATIVE, POSITIVE, flags_off_default, layer_freq_type, number
 
 
 def add_moe_args(parser):
@@ -26,8 +26,12 @@ def add_moe_args(parser):
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax (or sigmoid) before the top-k instead of after it; required with "
                         "--moe-router-topk 1 and the softmax score function (Switch), as in Megatron-LM")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
-                   help="sigmoid: DeepSeek-V3's scores")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid", "sqrtsoftplus"], default="softmax",
+                   help="sigmoid: DeepSeek-V3's scores; sqrtsoftplus: DeepSeek-V4's, sqrt(softplus(logits)) "
+                        "(cp_ext's router, `cp_ext.transformer.router`)")
+    g.add_argument("--moe-n-hash-layers", type=NON_NEGATIVE, default=0,
+                   help="DeepSeek-V4's hash MoE: the first N MoE layers route each token by a frozen token -> experts "
+                        "table (tid2eid, in the checkpoint) instead of the top-k (default 0)")
     g.add_argument("--moe-router-topk-scaling-factor", type=number(float, 0, above=True), default=None,
                    help="scale the top-k routing weights (DeepSeek-V3: 2.5); with --moe-router-pre-softmax or "
                         "--moe-router-score-function sigmoid")
@@ -68,7 +72,7 @@ def add_moe_args(parser):
 
 
 # The router flags, refused on a dense model when set off their defaults (the parser's).
-_ROUTER_DESTS = ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function",
+_ROUTER_DESTS = ("moe_z_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_n_hash_layers",
                  "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
                  "moe_router_enable_expert_bias", "moe_router_dtype", "moe_expert_capacity_factor",
                  "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "moe_shared_expert_gate",
@@ -102,12 +106,12 @@ def _router_problems(args):
         p.append("--moe-router-topk 1 with the softmax score function needs --moe-router-pre-softmax (a softmax over "
                  "the one chosen expert is 1 and gives the router no gradient); add it (Switch Transformer's routing)")
     if args.moe_router_topk_scaling_factor is not None and not (
-            args.moe_router_pre_softmax or args.moe_router_score_function == "sigmoid"):
+            args.moe_router_pre_softmax or args.moe_router_score_function in ("sigmoid", "sqrtsoftplus")):
         p.append("--moe-router-topk-scaling-factor is only read with --moe-router-pre-softmax or "
-                 "--moe-router-score-function sigmoid; add one of them or drop it")
-    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
-        p.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (megatron's aux-loss-free "
-                 "balancing is defined on sigmoid scores); add it")
+                 "--moe-router-score-function sigmoid or sqrtsoftplus; add one of them or drop it")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
+        p.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus (megatron's "
+                 "aux-loss-free balancing is defined on those scores); add one")
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         p.append("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk; give both or "
@@ -120,11 +124,38 @@ def _router_problems(args):
         elif topk > group_topk * (experts // groups):
             p.append(f"--moe-router-topk {topk} exceeds the {group_topk * (experts // groups)} experts of "
                      f"--moe-router-group-topk {group_topk} groups of {experts // groups}; pick more groups per token")
+    p += _v4_router_problems(args)
     if args.moe_token_drop_policy != "probs" and args.moe_expert_capacity_factor is None:
         p.append(f"--moe-token-drop-policy {args.moe_token_drop_policy} is only read with "
                  f"--moe-expert-capacity-factor; add it or drop the policy")
     return p
 
+
+def uses_v4_router(args) -> bool:
+    """cp_ext's router (`cp_ext.transformer.router`) routes: DeepSeek-V4's score function or hash layers."""
+    return args.moe_router_score_function == "sqrtsoftplus" or args.moe_n_hash_layers > 0
+
+
+def _v4_router_problems(args):
+    if not uses_v4_router(args):
+        return []
+    what = ("--moe-n-hash-layers" if args.moe_n_hash_layers else "--moe-router-score-function sqrtsoftplus")
+    p = [f"{flag} is not supported with {what} (cp_ext's DeepSeek-V4 router balances by the expert bias only, as V4 "
+         f"trains); drop it" for on, flag in (
+             (args.moe_router_load_balancing_type != "none",
+              f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type} (use none)"),
+             (args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
+             (args.moe_z_loss_coeff is not None, "--moe-z-loss-coeff"),
+             (args.moe_router_num_groups is not None, "--moe-router-num-groups"),
+             (args.moe_router_pre_softmax, "--moe-router-pre-softmax")) if on]
+    moe_layers = sum(moe_layer_pattern(args))
+    if args.moe_n_hash_layers > moe_layers:
+        p.append(f"--moe-n-hash-layers {args.moe_n_hash_layers} exceeds the model's {moe_layers} MoE layers")
+    if args.moe_n_hash_layers and args.recompute_granularity == "full" and args.pipeline_model_parallel_size > 1:
+        p.append("--moe-n-hash-layers with --recompute-granularity full and --pipeline-model-parallel-size > 1 is not "
+                 "supported: a layer recomputed after later microbatches' forwards would route by their token ids; "
+                 "use selective recompute or one pipeline stage")
+    return p
 
 
 def moe_problems(args):

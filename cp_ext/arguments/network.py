@@ -149,9 +149,9 @@ def network_problems(args):
     if args.glu_linear_offset and not (args.swiglu or args.quick_geglu):
         p.append(f"--glu-linear-offset {args.glu_linear_offset} is only read by a gated unit; add --quick-geglu "
                  f"(GPT-OSS) or --swiglu, or drop it")
-    if args.activation_func_clamp_value is not None and not args.quick_geglu:
-        p.append("--activation-func-clamp-value is only read with --quick-geglu (megatron-core's quick-GeLU); add it "
-                 "or drop the clamp")
+    if args.activation_func_clamp_value is not None and not (args.quick_geglu or args.swiglu):
+        p.append("--activation-func-clamp-value clamps a gated unit's inputs (megatron-core's GLU: the gate from above, "
+                 "the linear part both ways); add --swiglu (DeepSeek-V4) or --quick-geglu (GPT-OSS), or drop the clamp")
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         p.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless RoPE is on); use "
                  "--position-embedding-type none for no position embedding")

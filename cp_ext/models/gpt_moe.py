@@ -67,6 +67,7 @@ from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.hyper_connections import HyperConnectionTransformerLayer
+from cp_ext.transformer.router import DeepSeekV4Router
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
 from cp_ext.transformer.gated_delta_net import GatedDeltaNet
@@ -98,6 +99,9 @@ def fill_seats(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     attention.core_attention = dsa_core_attention_spec() if getattr(config, "dsa", False) else CoreAttention
     _, mlp = spec_parts(submodules.mlp)
     experts_class, experts = spec_parts(getattr(mlp, "experts", None))  # MoE layers only
+    if getattr(config, "router_score_function", "softmax") == "sqrtsoftplus" or getattr(config, "moe_n_hash_layers", 0):
+        if mlp is not None and hasattr(mlp, "router"):  # MoE layers: DeepSeek-V4's score and hash routing
+            mlp.router = DeepSeekV4Router
     if experts_class is SequentialMLP:
         # biased experts add their bias once, in place; expert-TP != TP reduces over expert-DP on every release
         experts.linear_fc1, experts.linear_fc2 = ExpertColumnParallelLinear, ExpertRowParallelLinear
@@ -189,6 +193,8 @@ class ContextParallelGPTModel(GPTModel):
                 self._dynamic_routing = DynamicRouting(self, self.config)
             self._dynamic_routing.apply(dynamic)
             kwargs["padding_mask"] = dynamic.padding_mask
+        for router in self._hash_routers():  # hash MoE routes each token by its id
+            router.set_token_ids(input_ids)
         rotary = getattr(self, "rotary_pos_emb", None)
         if rotary is None or not self.batch_position_ids:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
@@ -197,6 +203,11 @@ class ContextParallelGPTModel(GPTModel):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
             rotary.position_ids = None  # nothing outside a forward sees stale ones
+
+    def _hash_routers(self):
+        if not hasattr(self, "_hash_router_list"):
+            self._hash_router_list = [m for m in self.modules() if isinstance(m, DeepSeekV4Router) and m.is_hash]
+        return self._hash_router_list
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         # megatron-core 0.16.1's GPTModel reads metadata["dp_cp_group"] on an MTP stage that does not embed
@@ -217,6 +228,7 @@ def build_model(config: TransformerConfig, args, padded_vocab_size: int, pre_pro
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    config.padded_vocab_size = padded_vocab_size  # the hash routers' token range
     decoder_block = get_decoder_block_spec(config)
     model = ContextParallelGPTModel(
         config=config,

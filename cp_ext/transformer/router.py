@@ -39,8 +39,8 @@ def hash_table(vocab: int, experts: int, topk: int, layer_number: int) -> torch.
 class DeepSeekV4Router(TopKRouter):
     """megatron's TopKRouter with V4's score function and hash routing (module docstring)."""
 
-    def __init__(self, config, pg_collection=None):
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config, pg_collection=None, **kwargs):
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)  # 0.19 adds is_mtp_layer
         self.v4_score = SCORES[config.router_score_function]
         self.is_hash = False
         self.token_ids: Optional[torch.Tensor] = None
@@ -64,14 +64,14 @@ class DeepSeekV4Router(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         logits = logits.view(-1, self.config.num_moe_experts)
-        scores = self.v4_score(logits.float())
+        scores = self.v4_score(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32))
         if self.is_hash:
             if self.token_ids is None or self.token_ids.numel() != logits.shape[0]:
                 raise RuntimeError(f"hash-routed layer {self.layer_number} has no token ids for its "
                                    f"{logits.shape[0]} tokens; the model sets them in its forward")
             experts = self.tid2eid[self.token_ids].long()
         else:
-            biased = scores if self.expert_bias is None else scores + self.expert_bias.float()
+            biased = scores if self.expert_bias is None else scores + self.expert_bias.to(scores.dtype)
             experts = biased.topk(self.topk, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.topk > 1:
