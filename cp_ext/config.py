@@ -256,6 +256,10 @@ def transformer_config_from_args(args) -> ContextParallelTransformerConfig:
         variable_seq_lengths=bool(getattr(args, "dynamic_context_parallel", False))
         and args.pipeline_model_parallel_size > 1,
     )
+    if config.dsv4_layer_kinds or config.enable_hyper_connections or config.moe_n_hash_layers:
+        # layers of different kinds (V4's attention, a hash router, the last layer's stream collapse): megatron's
+        # checkpoint keys each layer on its own (decoder.layers.<i>.<name>) instead of stacking unequal ones
+        config.hetereogenous_dist_checkpoint = True
     if config.dsv4_layer_kinds:  # V4's one K=V head: Megatron-LM derives MLA's head dims from --v-head-dim
         config.qk_head_dim = args.v_head_dim - args.qk_pos_emb_head_dim
         config.kv_lora_rank = args.v_head_dim

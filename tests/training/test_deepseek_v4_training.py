@@ -158,16 +158,16 @@ def test_v4_matches_cp1(layout, runs):
                      "sinks", "linear_o_group_proj", "linear_proj", "compressor"}, parts
     assert all(reference[1][u].abs().max() > 0 for u in attention), "every attention parameter learns"
     mixing = [u for u in reference[1] if "_hc." in u or ".hc_head." in u]
-    assert {u.split(".")[2] for u in mixing} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
+    assert {u.split(".")[3] for u in mixing} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
     assert all(reference[1][u].abs().max() > 0 for u in mixing), "every hyper-connection parameter learns"
 
 
 def test_layer_kinds_and_the_indexer(runs):
     """Layers 2 and 4 hold a compressor and an indexer (CSA), layer 3 a compressor (HCA), layer 1 neither; the
     indexer takes no gradient from the main loss."""
-    grads = runs("cp1")[1]  # units: decoder.layers.<parameter>.<0-based layer>
-    compressors = sorted({u.rsplit(".", 1)[1] for u in grads if ".self_attention.compressor." in u})
-    indexers = sorted({u.rsplit(".", 1)[1] for u in grads if ".self_attention.indexer." in u})
+    grads = runs("cp1")[1]  # units: decoder.layers.<0-based layer>.<parameter> (V4's layers are keyed one by one)
+    compressors = sorted({u.split(".")[2] for u in grads if ".self_attention.compressor." in u})
+    indexers = sorted({u.split(".")[2] for u in grads if ".self_attention.indexer." in u})
     assert compressors == ["1", "2", "3"] and indexers == ["1", "3"], (compressors, indexers)
     assert all(grads[u].abs().max() == 0 for u in grads if ".indexer." in u)
 
