@@ -254,7 +254,9 @@ def export_checkpoint(load, out, max_shard_bytes, hf_files=None) -> Exported:
     try:
         for unit, full in load_units(meta_model(args), iteration_dir(load, latest_iteration(load))):
             for name, tensor in adapter.split(unit, full).items():
-                tensor = tensor.to(getattr(torch, stored[name]) if name in stored else dtype).contiguous()
+                if tensor.is_floating_point():  # an integer table (V4's tid2eid) keeps its integers
+                    tensor = tensor.to(getattr(torch, stored[name]) if name in stored else dtype)
+                tensor = tensor.contiguous()
                 size = tensor.numel() * tensor.element_size()
                 if pending_bytes + size > max_shard_bytes:
                     flush()

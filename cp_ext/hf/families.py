@@ -7,6 +7,7 @@ Attention hybrid Kimi-Linear (`cp_ext.hf.kimi_linear`)."""
 from cp_ext.hf.adapter import Adapter
 from cp_ext.hf.deepseek_v3 import DeepseekV3
 from cp_ext.hf.deepseek_v32 import DeepseekV32
+from cp_ext.hf.deepseek_v4 import DeepseekV4
 from cp_ext.hf.gpt_oss import GptOss
 from cp_ext.hf.kimi_linear import KimiLinear
 from cp_ext.hf.qwen3_next import Qwen3_5Moe, Qwen3Next
@@ -100,6 +101,7 @@ class Mixtral(Adapter):
 
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": Qwen3Moe, "MixtralForCausalLM": Mixtral, "DeepseekV3ForCausalLM": DeepseekV3,
+                 "DeepseekV4ForCausalLM": DeepseekV4,
                  "DeepseekV32ForCausalLM": DeepseekV32, "GptOssForCausalLM": GptOss,
                  "Qwen3NextForCausalLM": Qwen3Next, "Qwen3_5MoeForCausalLM": Qwen3_5Moe,
                  "Qwen3_5MoeForConditionalGeneration": Qwen3_5Moe, "KimiLinearForCausalLM": KimiLinear}

@@ -46,7 +46,7 @@ from cp_ext.transformer.attention import _document_ids
 def v4_inv_freq(dim: int, base: float, yarn: Optional[dict] = None) -> torch.Tensor:
     """RoPE's inverse frequencies over ``dim`` channels (``dim / 2`` pairs); ``yarn``: (factor,
     original_max_position_embeddings, beta_fast, beta_slow), blended as transformers' and megatron's YaRN."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim  # (also under a meta-device build)
     extrapolation = 1.0 / base ** exponents
     if not yarn or yarn["factor"] == 1:
         return extrapolation.float()

@@ -33,7 +33,7 @@ def hash_table(vocab: int, experts: int, topk: int, layer_number: int) -> torch.
     """A frozen token -> experts table [vocab, topk] for training from scratch: distinct experts per token, drawn from
     a generator seeded by the layer alone (the same table on every rank and grid)."""
     g = torch.Generator().manual_seed(0x5EED + layer_number)
-    return torch.rand(vocab, experts, generator=g).argsort(dim=-1)[:, :topk].contiguous()
+    return torch.rand(vocab, experts, generator=g, device="cpu").argsort(dim=-1)[:, :topk].contiguous()
 
 
 class DeepSeekV4Router(TopKRouter):

@@ -8,6 +8,30 @@ SHARDS = {"qwen3_moe": "40KB", "mixtral": None, "deepseek_v3": "60KB", "deepseek
 LINEAR_SHARDS = {"qwen3_next": "40KB", "qwen3_5_moe": None}
 # the Kimi Delta Attention hybrids (tests/hf/test_kimi_linear.py, likewise)
 KIMI_SHARDS = {"kimi_linear": "40KB", "kimi_linear_q_lora": None}
+# DeepSeek-V4 (tests/hf/test_deepseek_v4.py, likewise)
+V4_SHARDS = {"deepseek_v4": "60KB"}
+
+
+def _v4_config():
+    """DeepSeek-V4 in miniature: a sliding layer, two CSA layers (an entry per 4 tokens, a 16-head indexer keeping
+    each query's top 3) around an HCA layer (an entry per 8 tokens), a window of 8, one K=V head of 16 with 4 rotated
+    channels (YaRN on the compressed layers), q-LoRA 12, 2 output groups, 4 hyper-connection streams; the first MoE
+    layer hash-routed, the rest sqrtsoftplus with the correction bias and a routed scale of 1.5, a shared expert,
+    SwiGLU clamped at 1 (so that the clamp bites)."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(
+        vocab_size=384, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        partial_rotary_factor=0.25, q_lora_rank=12, o_groups=2, o_lora_rank=8, index_n_heads=16, index_head_dim=8,
+        index_topk=3, sliding_window=8, compress_rope_theta=160000.0, rope_theta=10000.0,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=1.5, hc_mult=4, hc_sinkhorn_iters=20,
+        swiglu_limit=1.0, rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0})
 
 
 def _config(family):
@@ -17,6 +41,8 @@ def _config(family):
         return _linear_config(family)
     if family in KIMI_SHARDS:
         return _kimi_config(family)
+    if family in V4_SHARDS:
+        return _v4_config()
     if family == "qwen3_moe":
         return Qwen3MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -169,6 +195,12 @@ def _perturbed(model, family):
                 p[:model.config.kv_lora_rank].mul_(0.003)
             elif name.endswith("e_score_correction_bias"):  # zero at init: a dropped bias would not show
                 p.copy_(torch.randn_like(p) * 0.3)
+            elif family == "deepseek_v4" and name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(torch.randn_like(p) * 0.5)  # zeros at init: a dropped or misplaced one would not show
+            elif family == "deepseek_v4" and name.endswith(("_hc.scale", "hc_scale")):
+                p.add_(torch.randn_like(p) * 0.3)
+            elif family == "deepseek_v4" and name.endswith("tid2eid"):  # zeros at init: each token its own experts
+                p.copy_(torch.rand(p.shape[0], model.config.n_routed_experts).argsort(-1)[:, :p.shape[1]])
             elif family == "gpt_oss" and name.endswith("sinks"):
                 p.copy_(torch.randn_like(p))  # order 1 against the scores: the sink takes a real share
             elif family == "gpt_oss" and "bias" in name:
