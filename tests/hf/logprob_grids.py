@@ -132,3 +132,20 @@ def check_logprobs(ours, reference, ids, new_tokens, tolerance=1e-4):
     one = ids["one_document"]
     prompt = len(one) - new_tokens
     assert ours["one_document"][prompt - 1:-1].argmax(-1).tolist() == one[prompt:]
+
+
+def exported_and_original(tool, hf, ckpt, out, shard_size):
+    """``tool export`` of ``ckpt`` into ``out`` in shards of ``shard_size``: ({name: tensor} the HF dir held,
+    {name: tensor} the export wrote)."""
+    from safetensors.torch import load_file
+
+    from tests.launch import run_script
+
+    proc = run_script(0, tool, "export", "--load", ckpt, "--hf-dir", out, "--max-shard-size", shard_size)
+    assert "shard(s)" in proc.stdout
+    original, exported = {}, {}
+    for path in hf.glob("*.safetensors"):
+        original.update(load_file(path))
+    for path in out.glob("*.safetensors"):
+        exported.update(load_file(path))
+    return original, exported

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.hf.logprob_grids import check_logprobs, draw_inputs, run_worker, scores_getter  # noqa: E402
+from tests.hf.logprob_grids import (check_logprobs, draw_inputs, exported_and_original, run_worker,  # noqa: E402
+                                     scores_getter)
 from tests.launch import REPO_ROOT, run_script  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "convert_hf.py"
@@ -109,22 +110,14 @@ def test_indexer_scores_have_no_ties(converted):
 
 def test_export_gives_every_tensor_back_bit_for_bit(converted, tmp_path):
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     hf, ckpt = converted[FAMILY][:2]
-    out = tmp_path / "exported"
-    proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out, "--max-shard-size", "60KB")
-    assert "shard(s)" in proc.stdout
-    original, exported = {}, {}
-    for path in hf.glob("*.safetensors"):
-        original.update(load_file(path))
-    for path in out.glob("*.safetensors"):
-        exported.update(load_file(path))
+    original, exported = exported_and_original(TOOL, hf, ckpt, tmp_path / "exported", "60KB")
     assert sorted(exported) == sorted(original)
     differ = [k for k in original if not (torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype)]
     assert not differ, [(k, original[k].dtype, exported[k].dtype) for k in differ[:5]]
-    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", output_loading_info=True)
     assert not any(info.values()), info
 
 

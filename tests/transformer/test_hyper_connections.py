@@ -38,22 +38,31 @@ def _randomize(*modules):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
 
 
+def _pair(ours_class, theirs_class, names):
+    """cp_ext's module with random weights and transformers' with the same (``names``: theirs for mix_weight,
+    mix_bias, mix_scale), both float64."""
+    ours, theirs = ours_class(_config()).double(), theirs_class(_hf_config()).double()
+    _randomize(ours)
+    with torch.no_grad():
+        for mine, their in zip(("mix_weight", "mix_bias", "mix_scale"), names):
+            getattr(theirs, their).copy_(getattr(ours, mine))
+    return ours, theirs
+
+
 def test_mixings_are_transformers():
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
     from cp_ext.transformer.hyper_connections import HyperConnection, mix_back
 
-    ours, theirs = HyperConnection(_config()).double(), DeepseekV4HyperConnection(_hf_config()).double()
-    _randomize(ours)
-    with torch.no_grad():
-        theirs.fn.copy_(ours.mix_weight), theirs.base.copy_(ours.mix_bias), theirs.scale.copy_(ours.mix_scale)
+    ours, theirs = _pair(HyperConnection, DeepseekV4HyperConnection, ("fn", "base", "scale"))
     streams = torch.randn(2, 5, N, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     block = torch.randn(2, 5, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     post, comb, collapsed = ours(streams)
     want_post, want_comb, want_collapsed = theirs(streams)
     for got, want in ((post, want_post), (comb, want_comb), (collapsed, want_collapsed)):
         assert (got - want).abs().max().item() < TOLERANCE
-    assert (comb.sum(-1) - 1).abs().max().item() < 1e-3 and (comb.sum(-2) - 1).abs().max().item() < 1e-4  # Sinkhorn (+ eps)
+    # Sinkhorn, columns last (each normalization adds eps to the sum)
+    assert (comb.sum(-1) - 1).abs().max().item() < 1e-3 and (comb.sum(-2) - 1).abs().max().item() < 1e-4
     # transformers' DeepseekV4DecoderLayer: post * output + comb^T @ streams
     want = want_post.unsqueeze(-1) * block.unsqueeze(-2) + torch.matmul(want_comb.transpose(-1, -2), streams)
     assert (mix_back(streams, block, post, comb) - want).abs().max().item() < TOLERANCE
@@ -64,10 +73,7 @@ def test_head_is_transformers():
 
     from cp_ext.transformer.hyper_connections import HyperHead
 
-    ours, theirs = HyperHead(_config()).double(), DeepseekV4HyperHead(_hf_config()).double()
-    _randomize(ours)
-    with torch.no_grad():
-        theirs.hc_fn.copy_(ours.mix_weight), theirs.hc_base.copy_(ours.mix_bias), theirs.hc_scale.copy_(ours.mix_scale)
+    ours, theirs = _pair(HyperHead, DeepseekV4HyperHead, ("hc_fn", "hc_base", "hc_scale"))
     streams = torch.randn(3, 2, N, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     assert (ours(streams) - theirs(streams)).abs().max().item() < TOLERANCE
 

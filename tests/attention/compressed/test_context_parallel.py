@@ -126,17 +126,7 @@ def _worker():
         t, _ = ref.inputs(case["kind"], case["s"], seed=seed, dtype=dtype, sinks=sinks)
         local_grad = single_grad.index_select(0, positions)
 
-        def run(t):
-            return run_layer(t, case, positions, group, doc_ids)
-
-        for v in t.values():
-            v.grad = None
-        out = run(t)
-        out.backward(local_grad)
-        got = {"out": out.detach()}
-        for k in GRAD_TENSORS:
-            if k in t:
-                got[k] = t[k].grad if t[k].grad is not None else torch.zeros_like(t[k])
+        got = ref.forward_backward(lambda t: run_layer(t, case, positions, group, doc_ids), t, local_grad)
         whole = {k for k in got if k != "out"}
         for k in whole:  # every rank holds a share of each leaf's gradient: the sum over the group is the gradient
             dist.all_reduce(got[k], group=group)
