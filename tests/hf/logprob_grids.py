@@ -134,10 +134,14 @@ def check_logprobs(ours, reference, ids, new_tokens, tolerance=1e-4):
     assert ours["one_document"][prompt - 1:-1].argmax(-1).tolist() == one[prompt:]
 
 
-def exported_and_original(tool, hf, ckpt, out, shard_size):
-    """``tool export`` of ``ckpt`` into ``out`` in shards of ``shard_size``: ({name: tensor} the HF dir held,
-    {name: tensor} the export wrote)."""
+
+def check_export_bit_for_bit(tool, hf, ckpt, out, shard_size):
+    """``tool export`` of ``ckpt`` into ``out`` in shards of ``shard_size`` gives every tensor of the HF dir ``hf``
+    back: the same names, dtypes and bits, in several shards with an index that transformers' from_pretrained loads
+    with no missing or unexpected key. Returns the original tensors {name: tensor}."""
+    import torch
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from tests.launch import run_script
 
@@ -148,4 +152,10 @@ def exported_and_original(tool, hf, ckpt, out, shard_size):
         original.update(load_file(path))
     for path in out.glob("*.safetensors"):
         exported.update(load_file(path))
-    return original, exported
+    assert sorted(exported) == sorted(original)
+    differ = [k for k in original if not (torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype)]
+    assert not differ, [(k, original[k].dtype, exported[k].dtype) for k in differ[:5]]
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    return original

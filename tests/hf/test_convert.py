@@ -26,6 +26,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, run_script
 from tests.hf.hf_models import SHARDS, tiny_hf
+from tests.hf.logprob_grids import check_export_bit_for_bit
 
 TOOL, GENERATE = REPO_ROOT / "tools" / "convert_hf.py", REPO_ROOT / "tools" / "generate.py"
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."  # 62 bytes: a tail past CP2's split
@@ -361,24 +362,8 @@ def test_bad_input_is_one_message(converted, tmp_path, family, edit, must_name):
 def test_export_gives_every_tensor_back_bit_for_bit(converted, family, tmp_path):
     """HF -> cp_ext -> HF: the same names, dtypes and bits, in shards with an index that transformers'
     from_pretrained loads with no missing or unexpected key."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     hf, ckpt, _ = converted[family]
-    out = tmp_path / "exported"
-    proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out, "--max-shard-size", "40KB")
-    assert "shard(s)" in proc.stdout
-    original, exported = {}, {}
-    for path in hf.glob("*.safetensors"):
-        original.update(load_file(path))
-    for path in out.glob("*.safetensors"):
-        exported.update(load_file(path))
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype for k in original)
-    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
-    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
+    check_export_bit_for_bit(TOOL, hf, ckpt, tmp_path / "exported", "40KB")
 
 
 def test_export_refuses_a_non_empty_directory(converted, tmp_path):

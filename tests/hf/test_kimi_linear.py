@@ -36,7 +36,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.hf.logprob_grids import check_logprobs, draw_inputs, run_worker, scores_getter  # noqa: E402
+from tests.hf.logprob_grids import (check_export_bit_for_bit, check_logprobs, draw_inputs, run_worker,  # noqa: E402
+                                     scores_getter)
 from tests.launch import REPO_ROOT, run_script  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "convert_hf.py"
@@ -119,25 +120,11 @@ def test_export_gives_every_tensor_back_bit_for_bit(converted, family, tmp_path)
     (bf16, and the fp32 tensors beside them) and bits (the latent rows scaled by sqrt(10) in fp32 and back included),
     in shards with an index that transformers' from_pretrained loads with no missing or unexpected key."""
     import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     hf, ckpt = converted[family][:2]
-    out = tmp_path / "exported"
-    proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out, "--max-shard-size", "40KB")
-    assert "shard(s)" in proc.stdout
-    original, exported = {}, {}
-    for path in hf.glob("*.safetensors"):
-        original.update(load_file(path))
-    for path in out.glob("*.safetensors"):
-        exported.update(load_file(path))
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype for k in original)
+    original = check_export_bit_for_bit(TOOL, hf, ckpt, tmp_path / "exported", "40KB")
     assert {t.dtype for t in original.values()} == ({torch.bfloat16, torch.float32} if family in BF16
                                                     else {torch.float32})
-    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
-    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
 
 
 def test_model_yaml_carries_the_families_flags(converted):

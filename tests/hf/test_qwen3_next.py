@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.hf.logprob_grids import check_logprobs, draw_inputs, run_worker, scores_getter  # noqa: E402
+from tests.hf.logprob_grids import (check_export_bit_for_bit, check_logprobs, draw_inputs, run_worker,  # noqa: E402
+                                     scores_getter)
 from tests.launch import REPO_ROOT, run_script  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "convert_hf.py"
@@ -102,24 +103,8 @@ def test_logprobs_equal_transformers(converted, scores, family, grid):
 def test_export_gives_every_tensor_back_bit_for_bit(converted, family, tmp_path):
     """HF -> cp_ext -> HF: the same names, dtypes and bits (the gated norm's w - 1 and back included), in shards
     with an index that transformers' from_pretrained loads with no missing or unexpected key."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     hf, ckpt = converted[family][:2]
-    out = tmp_path / "exported"
-    proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out, "--max-shard-size", "40KB")
-    assert "shard(s)" in proc.stdout
-    original, exported = {}, {}
-    for path in hf.glob("*.safetensors"):
-        original.update(load_file(path))
-    for path in out.glob("*.safetensors"):
-        exported.update(load_file(path))
-    assert sorted(exported) == sorted(original)
-    assert all(torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype for k in original)
-    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
-    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
+    check_export_bit_for_bit(TOOL, hf, ckpt, tmp_path / "exported", "40KB")
 
 
 def test_model_yaml_carries_the_families_flags(converted):
