@@ -11,12 +11,15 @@ For a query ``t`` with heads ``q_h`` and one K=V head::
 selection (`selection.select_entries`); sliding layers, none. This is transformers'
 ``eager_attention_forward`` with V4's sliding mask and block bias. Computed per tile of queries in
 the accumulation dtype (fp32, fp64 for fp64 inputs) with torch autograd: a tile's window keys are
-one slice of this rank's key table (its own rows and the fetched halo, in position order).
+one slice of this rank's key table (its own rows and the fetched halo, in position order), and each
+tile is recomputed in the backward (`torch.utils.checkpoint`), so what stays alive between the passes
+is the inputs, not a tile's scores or CSA's gathered entries (query_tile x topk x D values a tile).
 """
 
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, q_docs: torch.Tensor, keys: torch.Tensor,
@@ -27,29 +30,52 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, q_docs: torch.Tensor, key
     """q [s, H, D] (accumulation dtype) at ``q_positions`` [s] -> out [s, H, D].
 
     ``keys`` [K, D] at ``key_positions`` (increasing); ``*_docs``: each row's document start (padding: a
-    value no query shares); ``sinks`` [H], or None (no sink). ``entries`` [E, D] at ``entry_positions`` (increasing): read densely (HCA), or
-    through ``selection`` [s, k] (CSA, -1 unused)."""
+    value no query shares); ``sinks`` [H], or None (no sink). ``entries`` [E, D] at ``entry_positions``
+    (increasing): read densely (HCA), or through ``selection`` [s, k] (CSA, -1 unused)."""
     outs = []
     sink = None if sinks is None else sinks.to(q.dtype).view(-1, 1, 1)
     for r0 in range(0, q.shape[0], query_tile):
         rows = slice(r0, min(q.shape[0], r0 + query_tile))
-        qt, t, td = q[rows], q_positions[rows].view(-1, 1), q_docs[rows].view(-1, 1)
+        t = q_positions[rows]
         lo = int(torch.searchsorted(key_positions, int(t.min()) - window + 1))
         hi = int(torch.searchsorted(key_positions, int(t.max()), right=True))
-        kw, kp = keys[lo:hi], key_positions[lo:hi].view(1, -1)
-        seen = (kp <= t) & (kp > t - window) & (key_docs[lo:hi].view(1, -1) == td)
-        logits = [torch.einsum("thd,kd->htk", qt, kw).mul(scale).masked_fill(~seen, float("-inf"))]
-        values = [kw]
-        if entries is not None and selection is None:  # HCA: every readable entry
-            hi_e = int(torch.searchsorted(entry_positions, int(t.max()), right=True))
-            ke, ep = entries[:hi_e], entry_positions[:hi_e].view(1, -1)
-            seen_e = (ep <= t) & (entry_docs[:hi_e].view(1, -1) == td)
-            logits.append(torch.einsum("thd,ed->hte", qt, ke).mul(scale).masked_fill(~seen_e, float("-inf")))
-            values.append(ke)
-        elif entries is not None:  # CSA: each query's own selection
-            chosen = selection[rows]
-            picked = entries[chosen.clamp(min=0)]  # [T, k, D]
-            logits.append(torch.einsum("thd,tkd->htk", qt, picked).mul(scale).masked_fill(chosen < 0, float("-inf")))
+        dense_entries = entries is not None and selection is None
+        hi_e = int(torch.searchsorted(entry_positions, int(t.max()), right=True)) if dense_entries else 0
+        tile = _Tile(window, scale, t, q_docs[rows], key_positions[lo:hi], key_docs[lo:hi],
+                     None if not dense_entries else entry_positions[:hi_e],
+                     None if not dense_entries else entry_docs[:hi_e],
+                     None if selection is None else selection[rows])
+        ke = None if entries is None else (entries[:hi_e] if dense_entries else entries)
+        args = (q[rows], keys[lo:hi], ke, sink)
+        # the tile's scores, probabilities and (CSA) gathered entries are recomputed in the backward, not kept:
+        # a CSA tile gathers query_tile x topk x D values
+        outs.append(checkpoint(tile, *args, use_reentrant=False) if torch.is_grad_enabled() else tile(*args))
+    return torch.cat(outs, dim=0)
+
+
+class _Tile:
+    """One tile of queries: the window's keys and the entries in one softmax (the masks from positions)."""
+
+    def __init__(self, window, scale, t, t_docs, key_positions, key_docs, entry_positions, entry_docs, chosen):
+        self.window, self.scale, self.chosen = window, scale, chosen
+        t, td = t.view(-1, 1), t_docs.view(-1, 1)
+        kp = key_positions.view(1, -1)
+        self.seen = (kp <= t) & (kp > t - window) & (key_docs.view(1, -1) == td)
+        self.seen_entries = None
+        if entry_positions is not None:
+            ep = entry_positions.view(1, -1)
+            self.seen_entries = (ep <= t) & (entry_docs.view(1, -1) == td)
+
+    def __call__(self, qt, kw, ke, sink):
+        logits = [torch.einsum("thd,kd->htk", qt, kw).mul(self.scale).masked_fill(~self.seen, float("-inf"))]
+        picked = None
+        if self.seen_entries is not None:  # HCA (and CSA's dense mode): every readable entry
+            logits.append(torch.einsum("thd,ed->hte", qt, ke).mul(self.scale)
+                          .masked_fill(~self.seen_entries, float("-inf")))
+        elif self.chosen is not None:  # CSA: each query's own selection
+            picked = ke[self.chosen.clamp(min=0)]  # [T, k, D]
+            logits.append(torch.einsum("thd,tkd->htk", qt, picked).mul(self.scale)
+                          .masked_fill(self.chosen < 0, float("-inf")))
         if sink is not None:
             logits.append(sink.expand(-1, qt.shape[0], 1))
         else:  # a padding query reads nothing: a zero logit of its own keeps its softmax finite and its output 0
@@ -57,9 +83,8 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, q_docs: torch.Tensor, key
             logits.append(torch.zeros_like(nothing, dtype=qt.dtype).masked_fill(~nothing, float("-inf")).unsqueeze(-1))
         probs = torch.cat(logits, dim=-1).softmax(dim=-1)
         out = torch.einsum("htk,kd->thd", probs[..., :kw.shape[0]], kw)
-        if entries is not None and selection is None:
-            out = out + torch.einsum("hte,ed->thd", probs[..., kw.shape[0]:-1], values[1])
-        elif entries is not None:
-            out = out + torch.einsum("htk,tkd->thd", probs[..., kw.shape[0]:-1], picked)
-        outs.append(out)
-    return torch.cat(outs, dim=0)
+        if self.seen_entries is not None:
+            out = out + torch.einsum("hte,ed->thd", probs[..., kw.shape[0]:kw.shape[0] + ke.shape[0]], ke)
+        elif picked is not None:
+            out = out + torch.einsum("htk,tkd->thd", probs[..., kw.shape[0]:kw.shape[0] + picked.shape[1]], picked)
+        return out
