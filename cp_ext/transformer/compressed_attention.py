@@ -39,6 +39,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
+from cp_ext import parallel_state as cp_state
 from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention
 from cp_ext.transformer.attention import _document_ids
 
@@ -231,8 +232,6 @@ class CompressedAttention(MegatronModule):
         indexer = None if self.indexer is None else self.indexer.inputs(x, q_res, self.compress_inv_freq)
         cp = parallel_state.get_context_parallel_world_size()
         group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        from cp_ext import parallel_state as cp_state
-
         positions = cp_state.get_context_parallel_positions(s * cp, getattr(self.config, "cp_layout", "zigzag"),
                                                             device=x.device)
         o = compressed_attention(q, kv, sinks, self.spec, positions=positions,
