@@ -31,6 +31,8 @@ each test appends its rows to ``DIR/rows.jsonl``, `tests.gpu.conftest`), and pri
    row without fla); the state-passing CP op at CP2 over gloo on this device against the single-device
    rule. Measure rms(error) / rms(truth) against float64; bound 2 x the torch rule's + fla's own test
    tolerance (x 8 in bf16); the rows state both.
+5. DeepSeek-V4's attention (tests/gpu/test_deepseek_v4.py): the sliding, CSA and HCA layers on this device, fp32
+   and bf16, with packed documents, output and every gradient against the float64 reference.
 
 Bounds, per tensor, on max |error| against float64 truth, relative to the same attention on one
 device in the dtype ("ref"): `tests.attention.bounds` (fp32 <= 2 x ref and <= 1e-4; fp64; bf16/fp16
@@ -55,7 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # In the order of the summary table.
 TESTS = ("tests/gpu/test_one_device.py", "tests/gpu/test_masks.py", "tests/gpu/test_one_gpu.py",
-         "tests/gpu/test_multi_gpu.py", "tests/gpu/test_linear_attention.py")
+         "tests/gpu/test_multi_gpu.py", "tests/gpu/test_linear_attention.py", "tests/gpu/test_deepseek_v4.py")
 GRACE_S = 60  # past the budget, for the last time-boxed step to end; then the tests are stopped
 
 

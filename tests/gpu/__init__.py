@@ -15,7 +15,9 @@ mode through the tool, with deliberately broken rings that must fail.
 * test_masks.py: windows, sinks and MLA's head dims through every kernel;
 * test_one_gpu.py: tests/attention/kernels/test_cuda_kernels.py, and Megatron-LM's MoE scripts on one GPU;
 * test_multi_gpu.py: NCCL ring / Ulysses / hybrid, a demo training, the bench's byte counts and the
-  model's grid equivalence, on every GPU.
+  model's grid equivalence, on every GPU;
+* test_linear_attention.py: fla's kernels and the state-passing CP op;
+* test_deepseek_v4.py: DeepSeek-V4's sliding, CSA and HCA layers against float64.
 
 Bounds: `tests.attention.bounds`. Rows and the verdict: `tests.gpu.rows`.
 """
