@@ -42,7 +42,12 @@ SCHEDULE_FLAGS = {
 MODEL_FLAGS = {**SHAPE_FLAGS, "rotary_scaling_factor": "--rotary-scaling-factor", "mscale": "--mscale",
                "mscale_all_dim": "--mscale-all-dim",
                "yarn_original_max_position_embeddings": "--yarn-original-max-position-embeddings",
-               "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow"}
+               "yarn_beta_fast": "--yarn-beta-fast", "yarn_beta_slow": "--yarn-beta-slow",
+               # DeepSeek-V4's parts (a hash layer's table, a layer's compressor, the streams) exist or not by these
+               **{name: "--" + name.replace("_", "-") for name in (
+                   "csa_compress_ratios", "csa_compress_ratio_for_c", "csa_compress_ratio_for_h", "csa_window_size",
+                   "csa_no_attention_sink", "csa_dense_mode", "o_groups", "o_lora_rank", "dsa_indexer_n_heads",
+                   "dsa_indexer_head_dim", "enable_hyper_connections", "num_residual_streams", "moe_n_hash_layers")}}
 # The grid it was saved at (`cp_ext.grid.Grid.as_meta`) and the optimizer's sharding.
 GRID_FLAGS = (*GRID_SIZE_FLAGS.values(), "use_distributed_optimizer")
 

@@ -187,3 +187,21 @@ def test_bad_v4_flag_exits_2_with_one_message(monkeypatch, capsys, argv, must_na
     err = capsys.readouterr().err
     assert err.count("pretrain_moe.py: configuration error") == 1, err
     assert err.count(must_name) == 1, err
+
+
+@pytest.mark.quick
+def test_checkpoint_without_the_hash_table_is_refused(tmp_path, crafted_checkpoint):
+    """V4's parts are model flags: a checkpoint saved without hash layers (no tid2eid table), another window or
+    without hyper-connections is refused at parse time, naming each flag, the run's value and the checkpoint's."""
+    import json
+
+    ckpt = crafted_checkpoint(tmp_path / "ckpt", 5)
+    meta = ckpt / "iter_0000005" / "meta.json"
+    saved = {"moe_n_hash_layers": 0, "csa_window_size": 16, "csa_compress_ratios": [0, 4, 8, 4]}
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "model": saved}))
+    argv = V4 + ["--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus", "--moe-n-hash-layers", "1",
+                 "--moe-router-load-balancing-type", "none", "--load", str(ckpt), "--train-iters", "10"]
+    message = _error(argv, 1)
+    assert "the checkpoint is of another model" in message
+    assert "--moe-n-hash-layers 1 (checkpoint: 0)" in message and "--csa-window-size 8 (checkpoint: 16)" in message
+    assert "--csa-compress-ratios" not in message  # the same layers: not named
