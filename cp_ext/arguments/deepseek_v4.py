@@ -156,8 +156,7 @@ def _unsupported(args, variant):
            (args.window_size is not None, "--window-size (V4's window is --csa-window-size)"),
            (args.softmax_type != "vanilla", f"--softmax-type {args.softmax_type} (V4's sink is on by default; "
                                             f"--csa-no-attention-sink drops it)"),
-           (args.mtp_num_layers, "--mtp-num-layers"),
-           (getattr(args, "dynamic_context_parallel", False), "--dynamic-context-parallel")]
+           (args.mtp_num_layers, "--mtp-num-layers")]
     for on, flag in off:
         if on:
             p.append(f"{flag} is not supported with {variant} yet; drop it")

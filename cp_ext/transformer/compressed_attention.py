@@ -23,7 +23,8 @@ selects and is not differentiable: its inputs are detached.
 
 Context parallelism: the layer hands this CP rank's tokens, their global positions (cp_ext's layout) and the
 packed documents to `compressed_attention` over megatron's whole CP group (the window's halo and the entries
-cross ranks; the query heads never do, under Ulysses as well).
+cross ranks; the query heads never do, under Ulysses as well); under dynamic CP, over the microbatch's group with
+its per-document zigzag.
 """
 
 from typing import Optional
@@ -42,6 +43,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
 from cp_ext import parallel_state as cp_state
 from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention
 from cp_ext.transformer.attention import _document_ids
+from cp_ext.transformer.dynamic_cp import dynamic_params
 
 
 def v4_inv_freq(dim: int, base: float, yarn: Optional[dict] = None) -> torch.Tensor:
@@ -210,9 +212,7 @@ class CompressedAttention(MegatronModule):
         """[s, b, hidden] (this CP rank's tokens; its TP share under sequence parallelism) -> (output, None)."""
         if inference_context is not None or kwargs.get("inference_params") is not None:
             raise NotImplementedError("DeepSeek-V4's layers do not generate yet; train with them")
-        if packed_seq_params is not None:
-            raise NotImplementedError("DeepSeek-V4's layers take packed documents as document ids "
-                                      "(--reset-attention-mask), not megatron's packed_seq_params")
+        dynamic = dynamic_params(packed_seq_params)  # dynamic CP: this microbatch's group and per-document layout
         tp = parallel_state.get_tensor_model_parallel_world_size()
         x = hidden_states
         if self.config.sequence_parallel and tp > 1:  # every rank's gradient is whole: split back, not summed
@@ -230,10 +230,14 @@ class CompressedAttention(MegatronModule):
         compressor = None if self.compressor is None else self.compressor.bundle(
             self.compressor.rows(x), self.compress_inv_freq, True)
         indexer = None if self.indexer is None else self.indexer.inputs(x, q_res, self.compress_inv_freq)
-        cp = parallel_state.get_context_parallel_world_size()
-        group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        positions = cp_state.get_context_parallel_positions(s * cp, getattr(self.config, "cp_layout", "zigzag"),
-                                                            device=x.device)
+        if dynamic is not None:  # the group's documents, each zigzagged over it (their ids in attention_mask)
+            group = dynamic.cp_group if dynamic.size > 1 else None
+            positions = dynamic.positions(device=x.device) if group is not None else torch.arange(s, device=x.device)
+        else:
+            cp = parallel_state.get_context_parallel_world_size()
+            group = parallel_state.get_context_parallel_group() if cp > 1 else None
+            positions = cp_state.get_context_parallel_positions(s * cp, getattr(self.config, "cp_layout", "zigzag"),
+                                                                device=x.device)
         o = compressed_attention(q, kv, sinks, self.spec, positions=positions,
                                  document_ids=_document_ids(attention_mask, b, s, x.device), group=group,
                                  compressor=compressor, indexer=indexer, rope_inv_freq=self.inv_freq)
