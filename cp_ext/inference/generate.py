@@ -68,6 +68,15 @@ class Generation:
     new_logprobs: Optional[List[float]] = None
 
 
+def generation_problems(args) -> List[str]:
+    """What this generator cannot run yet, one message each naming the flag (the tool says them at parse time)."""
+    if getattr(args, "experimental_attention_variant", None) == "dsv4_hybrid":
+        return ["--experimental-attention-variant dsv4_hybrid: generation with DeepSeek-V4's layers is not supported "
+                "yet (their cache would hold the window, the compressed entries, the open block and CSA's overlap); "
+                "score prompts with a forward, or generate with transformers from tools/convert_hf.py export"]
+    return []
+
+
 def prefill_length(prompt_length: int, cp_size: int, layout: str, sp_size: int = 1) -> int:
     """The longest prefix the CP layout splits: a multiple of 2C (zigzag) or C (contiguous), and
     with sequence parallelism over ``sp_size`` TP ranks each CP shard a multiple of sp_size too."""

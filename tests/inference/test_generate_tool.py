@@ -68,8 +68,11 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
+    (["--prompt", "x", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "12", "--v-head-dim", "16",
+      "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid", "--csa-compress-ratios", "[0,0]",
+      "--o-groups", "2"], "generation with DeepSeek-V4's layers is not supported yet"),
 ], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "logprobs-without-output", "temperature", "top-p", "top-k-greedy", "jsonl",
-        "prompt-file", "other-model"])
+        "prompt-file", "other-model", "deepseek-v4"])
 def test_bad_input_is_one_message(tmp_path, args, must_name, crafted_checkpoint):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n')
