@@ -70,6 +70,51 @@ class _FrozenRunArgs(RunArgs):
 
 
 
+MAX_LIST_EXPRESSION = 100_000  # more entries than any model has layers: a typo, not a model
+
+
+def list_expression(text, example):
+    """Megatron-LM's list-expression flags (``([0]*3+[1])*12``): integers, lists of integers, ``+`` and ``*``,
+    evaluated node by node without ``eval``, and refused (argparse's error, naming ``example``) beyond
+    `MAX_LIST_EXPRESSION` entries before they are built: ``[0]*10**9`` or ``9**9**9`` would never return."""
+    import ast
+
+    def fail(why):
+        raise argparse.ArgumentTypeError(f"{why}; expected a list expression such as {example}, got {text!r}")
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            inner = value(node.operand)
+            return -inner if isinstance(inner, int) else fail("a minus before a list")
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            return items if all(isinstance(i, int) for i in items) else fail("a list inside a list")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add):
+                return a + b if isinstance(a, list) == isinstance(b, list) else fail("a list plus a number")
+            if isinstance(a, int) and isinstance(b, int):
+                return a * b if abs(a * b) <= MAX_LIST_EXPRESSION else fail("a number too large")
+            items, times = (a, b) if isinstance(a, list) else (b, a)
+            if not isinstance(items, list) or not isinstance(times, int):
+                return fail("a list times a list")
+            if len(items) * max(times, 0) > MAX_LIST_EXPRESSION:
+                return fail(f"more than {MAX_LIST_EXPRESSION} entries")
+            return items * times
+        return fail("only integers, [lists], + and * are read")
+
+    try:
+        tree = ast.parse(str(text).strip(), mode="eval")
+    except SyntaxError:
+        fail("not an expression")
+    result = value(tree.body)
+    if not isinstance(result, list):
+        fail("not a list")
+    return result
+
+
 def layer_freq_type(text):
     """Megatron's ``moe_freq_type``: an int N, or a Python list expression of 0/1 such as "[1,1,0]*2".
 
@@ -84,13 +129,8 @@ def layer_freq_type(text):
         if value < 1:
             raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
         return value
-    if any(c not in "0123456789[],*+ ()" for c in text) or "**" in text:  # no powers: 9**9**9 would never return
-        raise argparse.ArgumentTypeError(f"expected a list expression of 0/1 such as [1,1,0]*2, got {text!r}")
-    try:
-        value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, * and +: a list expression only
-    except Exception:
-        raise argparse.ArgumentTypeError(f"cannot evaluate {text!r} as a list expression such as [1,1,0]*2") from None
-    if not isinstance(value, list) or any(x not in (0, 1) for x in value):
+    value = list_expression(text, "[1,1,0]*2")
+    if any(x not in (0, 1) for x in value):
         raise argparse.ArgumentTypeError(f"expected a list of 0 and 1, got {value!r}")
     return value
 

@@ -41,7 +41,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 
 from cp_ext import parallel_state as cp_state
-from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention
+from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention, rms_norm
 from cp_ext.transformer.attention import _document_ids
 from cp_ext.transformer.dynamic_cp import dynamic_params
 
@@ -67,11 +67,8 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(acc)
-        w = self.weight if weight is None else weight
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w.to(acc)).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _linear(config, inputs, outputs, device):
@@ -190,7 +187,7 @@ class CompressedAttention(MegatronModule):
         compress = v4_inv_freq(rope, config.csa_compress_rotary_base, yarn)
         self.register_buffer("inv_freq", main if self.kind == "sliding" else compress, persistent=False)
         self.register_buffer("compress_inv_freq", compress, persistent=False)
-        self.spec = CompressedAttentionSpec("sliding" if self.kind == "sliding" else self.kind, config.csa_window_size,
+        self.spec = CompressedAttentionSpec(self.kind, config.csa_window_size,
                                             dim ** -0.5, index_topk=config.dsa_indexer_topk or 0,
                                             dense=self.indexer is None)
 
@@ -221,8 +218,7 @@ class CompressedAttention(MegatronModule):
         q_res = self.q_down_norm(self.linear_q_down_proj(x))
         q, _ = self.linear_q_up_proj(q_res)
         q = q.unflatten(-1, (self.heads_local, self.head_dim))
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q = (q.to(acc) * torch.rsqrt(q.to(acc).pow(2).mean(-1, keepdim=True) + self.config.layernorm_epsilon)).to(q.dtype)
+        q = rms_norm(q, None, self.config.layernorm_epsilon)  # per head, unweighted
         kv = self.kv_layernorm(self.linear_kv_proj(x))
         sinks = self.sinks
         if tp > 1:

@@ -26,16 +26,14 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from cp_ext.attention.compressed import rms_norm
+
 EPS = 1e-6  # transformers' hc_eps (DeepSeek-V4's)
 
 
 def pipeline_seq_length(args) -> int:
     """The sequence length megatron's pipeline sends between stages: ``n`` rows per token with hyper-connections."""
     return args.seq_length * (args.num_residual_streams if getattr(args, "enable_hyper_connections", False) else 1)
-
-
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class _Mixing(MegatronModule):
@@ -57,7 +55,7 @@ class _Mixing(MegatronModule):
     def _mixes(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [..., n, hidden] -> the linear map of the normed, flattened streams, fp32 (fp64 for fp64)."""
         acc = torch.float64 if streams.dtype == torch.float64 else torch.float32
-        flat = _unweighted_rms(streams.flatten(-2).to(acc), self.config.layernorm_epsilon)
+        flat = rms_norm(streams.flatten(-2).to(acc), None, self.config.layernorm_epsilon)  # unweighted
         return flat @ self.mix_weight.to(acc).t()
 
 

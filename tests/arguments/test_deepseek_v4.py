@@ -10,6 +10,7 @@ import pytest
 
 from cp_ext.arguments import parse_args, parse_args_or_exit
 from cp_ext.arguments.deepseek_v4 import compress_ratios_type
+from cp_ext.flag_types import layer_freq_type
 from tests.arguments.common import _error
 
 # A small V4: layers sliding, CSA (ratio 4), HCA (ratio 8), CSA; heads of 16 with 4 rotated; 2 output groups.
@@ -85,10 +86,21 @@ def test_compress_ratios_type_reads_list_expressions(text, value):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("text", ["[0,-4]", "abc", "4", "(0,4)", "[[0],4]", "[0,4", "__import__('os')", "[0.5]",
-                                  "9**9**9", "[0]*10**9"])  # powers are refused before eval: they would never return
+                                  "9**9**9", "[0]*10**9", "[0]*1000000000", "[0]*100000*100000", "[1]+2"])
 def test_compress_ratios_type_refuses_other_text(text):
+    """Anything but a list expression of non-negative integers; a power, or a list past 100,000 entries, is refused
+    before it is built (``[0]*1000000000`` would take 8 GB, ``9**9**9`` would never return)."""
     with pytest.raises(argparse.ArgumentTypeError):
         compress_ratios_type(text)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("text", ["9**9**9", "[0]*1000000000", "[1]*100000*100000", "[1]+2", "[[1]]", "[2]", "[1,1"])
+def test_layer_patterns_read_list_expressions_the_same_way(text):
+    """--moe-layer-freq and the other 0/1 layer patterns share the reader (`cp_ext.flag_types.list_expression`)."""
+    with pytest.raises(argparse.ArgumentTypeError):
+        layer_freq_type(text)
+    assert layer_freq_type("([0]+[1]*3)*2") == [0, 1, 1, 1] * 2
 
 
 NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--qk-pos-emb-head-dim")
@@ -110,7 +122,7 @@ NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--q
          ["--csa-compress-ratios holds [16], which mark no layer kind", "--csa-compress-ratio-for-c",
           "--csa-compress-ratio-for-h"]),
         (_set("--csa-compress-ratios", "[0,-4,8,4]"), 1, ["--csa-compress-ratios: expected a list expression"]),
-        (_set("--csa-compress-ratios", "4"), 1, ["--csa-compress-ratios: expected a list of non-negative integers"]),
+        (_set("--csa-compress-ratios", "4"), 1, ["--csa-compress-ratios: not a list; expected a list expression"]),
         (_set("--csa-window-size", "0"), 1, ["--csa-window-size: must be an integer >= 1 (got 0)"]),
         (_set("--dsa-indexer-topk", "0"), 1, ["--dsa-indexer-topk: must be an integer >= 1 (got 0)"]),
         (_drop("--csa-compress-ratios"), 1, ["dsv4_hybrid needs --csa-compress-ratios"]),

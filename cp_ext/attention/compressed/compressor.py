@@ -20,9 +20,13 @@ import torch
 from cp_ext.attention.cp.primitives import accum_dtype
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``DeepseekV4RMSNorm`` (in x's dtype, which is fp32 or fp64 here)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """transformers' ``DeepseekV4RMSNorm`` (``weight`` None: its ``DeepseekV4UnweightedRMSNorm``), computed in fp32
+    (fp64 for fp64 inputs), the result in x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out if weight is None else out * weight.to(acc)).to(x.dtype)
 
 
 def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -77,10 +77,6 @@ class SequencePlan:
         last = (offset % rate == rate - 1) & ~self.padding
         return p[last]
 
-    def entry_index(self, rate: int, key_positions: torch.Tensor) -> torch.Tensor:
-        """Block index ``w`` of each entry within its document (its RoPE position is ``rate * w``)."""
-        return (key_positions - self.doc_start[key_positions]) // rate
-
     def owned_entries(self, rank: int, rate: int) -> torch.Tensor:
         """Key positions of the entries ``rank`` forms (it holds their block's last token)."""
         keys = self.entries(rate)
