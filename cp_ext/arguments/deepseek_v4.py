@@ -114,10 +114,16 @@ def deepseek_v4_problems(args):
         p.append(f"--csa-compress-ratios holds {bad}, which mark no layer kind: use 0 (sliding), "
                  f"{args.csa_compress_ratio_for_c} (--csa-compress-ratio-for-c, CSA) or {args.csa_compress_ratio_for_h} "
                  f"(--csa-compress-ratio-for-h, HCA)")
+    indexer = (("dsa_indexer_n_heads", "--dsa-indexer-n-heads"), ("dsa_indexer_head_dim", "--dsa-indexer-head-dim"),
+               ("dsa_indexer_topk", "--dsa-indexer-topk"))
+    given = [flag for dest, flag in indexer if getattr(args, dest) is not None]
+    kinds_known = args.csa_compress_ratio_for_c != args.csa_compress_ratio_for_h  # (equal ones: said above)
+    if given and kinds_known and ("csa" not in layer_kinds(args) or args.csa_dense_mode):
+        p.append(f"{', '.join(given)} size the CSA layers' indexer, which this model builds none of "
+                 f"({'--csa-dense-mode' if args.csa_dense_mode else 'no CSA layer in --csa-compress-ratios'}); "
+                 f"drop them")
     if "csa" in layer_kinds(args) and not args.csa_dense_mode:
-        missing = [flag for dest, flag in (("dsa_indexer_n_heads", "--dsa-indexer-n-heads"),
-                                           ("dsa_indexer_head_dim", "--dsa-indexer-head-dim"),
-                                           ("dsa_indexer_topk", "--dsa-indexer-topk")) if getattr(args, dest) is None]
+        missing = [flag for dest, flag in indexer if getattr(args, dest) is None]
         if missing:
             p.append(f"the CSA layers of --csa-compress-ratios need their lightning indexer's {', '.join(missing)} "
                      f"(DeepSeek-V4: --dsa-indexer-n-heads 64 --dsa-indexer-head-dim 128 --dsa-indexer-topk 512), or "

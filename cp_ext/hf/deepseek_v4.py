@@ -73,8 +73,6 @@ class DeepseekV4(Adapter):
             "--csa-compress-ratio-for-h", self.rates["heavily_compressed_attention"],
             "--csa-window-size", c.get("sliding_window", 128), "--csa-compress-rotary-base", c.get("compress_rope_theta"),
             "--o-groups", self.groups_o, "--o-lora-rank", self.o_rank,
-            "--dsa-indexer-n-heads", c["index_n_heads"], "--dsa-indexer-head-dim", c["index_head_dim"],
-            "--dsa-indexer-topk", c["index_topk"],
             "--enable-hyper-connections", "--num-residual-streams", c.get("hc_mult", 4),
             "--mhc-sinkhorn-iterations", c.get("hc_sinkhorn_iters", 20),
             "--num-experts", self.experts, "--moe-router-topk", c["num_experts_per_tok"], "--moe-ffn-hidden-size", self.moe,
@@ -82,6 +80,9 @@ class DeepseekV4(Adapter):
             "--moe-router-topk-scaling-factor", c.get("routed_scaling_factor", 1.0),
             "--moe-n-hash-layers", self.hash_layers, "--moe-router-load-balancing-type", "none",
             "--moe-aux-loss-coeff", 0, "--moe-router-dtype", "fp32"]
+        if "compressed_sparse_attention" in self.kinds:  # the CSA layers' indexer
+            flags += ["--dsa-indexer-n-heads", c["index_n_heads"], "--dsa-indexer-head-dim", c["index_head_dim"],
+                      "--dsa-indexer-topk", c["index_topk"]]
         if c.get("n_shared_experts"):
             flags += ["--moe-shared-expert-intermediate-size", self.moe * c["n_shared_experts"]]
         if not c.get("tie_word_embeddings", False):

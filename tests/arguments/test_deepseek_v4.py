@@ -130,7 +130,8 @@ NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--q
                               "--dsa-indexer-topk", "or --csa-dense-mode"]),
         (_drop("--dsa-indexer-topk"), 1, ["lightning indexer's --dsa-indexer-topk ("]),
         (_set("--dsa-indexer-head-dim", "2"), 1, ["--dsa-indexer-head-dim 2 is smaller than the RoPE part"]),
-        (NO_MLA + ["--csa-dense-mode"], 1, ["dsv4_hybrid is DeepSeek-V4's attention", "add --multi-latent-attention"]),
+        (_drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--qk-pos-emb-head-dim",
+               "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk") + ["--csa-dense-mode"], 1, ["dsv4_hybrid is DeepSeek-V4's attention", "add --multi-latent-attention"]),
         (_drop("--qk-layernorm"), 1, ["dsv4_hybrid normalizes the compressed query", "add --qk-layernorm"]),
         (_drop("--q-lora-rank"), 1, ["dsv4_hybrid needs --q-lora-rank"]),
         (_set("--v-head-dim", "4"), 1, ["--v-head-dim 4 is V4's whole head", "--qk-pos-emb-head-dim 4",
@@ -199,6 +200,16 @@ def test_bad_v4_flag_exits_2_with_one_message(monkeypatch, capsys, argv, must_na
     err = capsys.readouterr().err
     assert err.count("pretrain_moe.py: configuration error") == 1, err
     assert err.count(must_name) == 1, err
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("extra, why", [(["--csa-dense-mode"], "--csa-dense-mode"),
+                                        (["--csa-compress-ratios", "[0,8,8,0]"], "no CSA layer")])
+def test_indexer_flags_without_an_indexer_are_refused(extra, why):
+    """The indexer's sizes with nothing to size (dense mode, or no CSA layer): one message, drop them."""
+    message = _error(V4 + extra, 1)
+    assert "--dsa-indexer-n-heads, --dsa-indexer-head-dim, --dsa-indexer-topk size the CSA layers' indexer" in message
+    assert why in message
 
 
 @pytest.mark.quick
