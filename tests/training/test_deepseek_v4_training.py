@@ -19,7 +19,7 @@ output and the compressors'), reassembled from the ranks' slices through the che
 gradient from the main loss (transformers' V4 neither). Grids: CP2 ring (zigzag, contiguous), CP4, Ulysses 2 x
 ring 2 (the layers run their exchange over the whole CP group), TP2+SP, TP2+SP x CP2, PP2 x CP2, EP2 x CP2, full
 recompute, and packed documents (``--reset-attention-mask``: windows and blocks stop at document ends) at CP1,
-CP2 and CP4. At CP = 1 the worker records the smallest relative gap between a query's k-th and (k+1)-th indexer
+CP2 and CP4; and the model with ``--csa-dense-mode --csa-no-attention-sink`` (no indexer, no sinks) at CP4. At CP = 1 the worker records the smallest relative gap between a query's k-th and (k+1)-th indexer
 scores, which must exceed 1e-4 (exact zeros tie alike on every layout and are not gaps). Launches: 1, 2 and 4 ranks.
 """
 
@@ -60,6 +60,10 @@ for _name, (_ranks, _flags) in GRIDS.items():
     RUNS[_name] = (_ranks, _flags, "cp1")
 RUNS["cp2_ring_docs"] = (2, CP2 + DOC_FLAGS, "cp1_docs")
 RUNS["cp4_ring_docs"] = (4, CP4 + DOC_FLAGS, "cp1_docs")
+# CSA without its indexer (every complete entry read) and no sinks: a model of its own, exact at CP4 too
+PLAIN = ["--csa-dense-mode", "--csa-no-attention-sink"]
+RUNS["cp1_dense_no_sink"] = (1, PLAIN, None)
+RUNS["cp4_ring_dense_no_sink"] = (4, CP4 + PLAIN, "cp1_dense_no_sink")
 QUICK = ("cp2_ring",)
 # The final stream collapse's scale and the router's gate: each gradient entry sums every token's term, terms that
 # largely cancel, so its fp32 rounding is relative to the terms, not to the (small) sum, and the grids sum in
@@ -68,8 +72,13 @@ TOLERANCES = {"hc_head.mix_scale": 5e-5, "mlp.router.weight": 5e-5}
 
 
 def _flags(name, docs=None):
-    """``docs``: the short-documents corpus (tests/conftest.py), which the packed-document runs read."""
-    return MODEL + V4 + RUNS[name][1] + (["--data-path", docs] if name.endswith(("_docs", "_corpus")) else [])
+    """``docs``: the short-documents corpus (tests/conftest.py), which the packed-document runs read. The dense-mode
+    runs build no indexer, so they take none of its sizes."""
+    model = V4
+    if "--csa-dense-mode" in RUNS[name][1]:
+        i = V4.index("--dsa-indexer-n-heads")
+        model = V4[:i] + V4[i + 6:]
+    return MODEL + model + RUNS[name][1] + (["--data-path", docs] if name.endswith(("_docs", "_corpus")) else [])
 
 
 def _recording_gaps(record):
@@ -150,12 +159,14 @@ def runs(quick, short_documents):
                                     for n, (_, _, ref) in RUNS.items() if ref])
 def test_v4_matches_cp1(layout, runs):
     reference, result = runs(RUNS[layout][2]), runs(layout)
-    assert reference[0]["min topk gap"] > 1e-4, reference[0]["min topk gap"]
+    plain = "--csa-dense-mode" in RUNS[layout][1]
+    if not plain:
+        assert reference[0]["min topk gap"] > 1e-4, reference[0]["min topk gap"]
     _assert_same(result, reference, TOLERANCES, no_main_loss_grad=(".indexer.",))
     attention = [u for u in reference[1] if ".self_attention." in u and ".indexer." not in u]
     parts = {u.split(".self_attention.")[1].split(".")[0] for u in attention}
     assert parts == {"linear_q_down_proj", "q_down_norm", "linear_q_up_proj", "linear_kv_proj", "kv_layernorm",
-                     "sinks", "linear_o_group_proj", "linear_proj", "compressor"}, parts
+                     "linear_o_group_proj", "linear_proj", "compressor"} | (set() if plain else {"sinks"}), parts
     assert all(reference[1][u].abs().max() > 0 for u in attention), "every attention parameter learns"
     mixing = [u for u in reference[1] if "_hc." in u or ".hc_head." in u]
     assert {u.split(".")[3] for u in mixing} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
@@ -170,6 +181,13 @@ def test_layer_kinds_and_the_indexer(runs):
     indexers = sorted({u.split(".")[2] for u in grads if ".self_attention.indexer." in u})
     assert compressors == ["1", "2", "3"] and indexers == ["1", "3"], (compressors, indexers)
     assert all(grads[u].abs().max() == 0 for u in grads if ".indexer." in u)
+
+
+def test_dense_mode_and_no_sinks_change_the_model(runs):
+    """--csa-dense-mode builds no indexer and --csa-no-attention-sink no sinks, and the loss is another model's."""
+    plain, full = runs("cp1_dense_no_sink"), runs("cp1")
+    assert not any(".indexer." in u or ".sinks" in u for u in plain[1])
+    assert abs(plain[0]["lm loss"][0] - full[0]["lm loss"][0]) > 1e-3 * full[0]["lm loss"][0]
 
 
 def test_v4_routers(runs):
