@@ -19,7 +19,8 @@ output and the compressors'), reassembled from the ranks' slices through the che
 gradient from the main loss (transformers' V4 neither). Grids: CP2 ring (zigzag, contiguous), CP4, Ulysses 2 x
 ring 2 (the layers run their exchange over the whole CP group), TP2+SP, TP2+SP x CP2, PP2 x CP2, EP2 x CP2, full
 recompute, and packed documents (``--reset-attention-mask``: windows and blocks stop at document ends) at CP1,
-CP2 and CP4; and the model with ``--csa-dense-mode --csa-no-attention-sink`` (no indexer, no sinks) at CP4. At CP = 1 the worker records the smallest relative gap between a query's k-th and (k+1)-th indexer
+CP2 and CP4; and the model with ``--csa-dense-mode --csa-no-attention-sink`` (no indexer, no sinks) at CP4.
+At CP = 1 the worker records the smallest relative gap between a query's k-th and (k+1)-th indexer
 scores, which must exceed 1e-4 (exact zeros tie alike on every layout and are not gaps). Launches: 1, 2 and 4 ranks.
 """
 
