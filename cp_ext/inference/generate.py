@@ -73,7 +73,8 @@ def generation_problems(args) -> List[str]:
     if getattr(args, "experimental_attention_variant", None) == "dsv4_hybrid":
         return ["--experimental-attention-variant dsv4_hybrid: generation with DeepSeek-V4's layers is not supported "
                 "yet (their cache would hold the window, the compressed entries, the open block and CSA's overlap); "
-                "score prompts with a forward, or generate with transformers from tools/convert_hf.py export"]
+                "score prompts with a forward, or export the checkpoint with tools/convert_hf.py and generate "
+                "with transformers"]
     return []
 
 
