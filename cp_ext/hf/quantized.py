@@ -9,19 +9,28 @@
   *transpose* in groups of 32; the dequantized tensor is ``Y`` in the bf16 release's layout (gate_up_proj
   [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]).
 
-Both give, in fp32, exactly what transformers' ``_dequantize_fp8_weight`` and ``convert_moe_packed_tensors`` give
-(tests/hf/test_quantized.py checks it bit for bit). transformers' load-time ``Fp8Dequantize`` agrees where the
-blocks tile the weight exactly; it derives the block from the scale grid (rows // grid rows), so at a partial edge
-it raises or mis-tiles (576 rows in 5 blocks), where DeepSeek's kernel and this one do not. The quantizers make such
+* ``fp8`` as DeepSeek-V4 ships it: ``X.weight`` next to ``X.scale`` (transformers renames it ``X.weight_scale_inv``;
+  both names are read), the scales UE8M0 (``float8_e8m0fnu``, powers of two); the experts' weights FP4: int8
+  [rows, cols / 2], two e2m1 codes a byte (low nibble first, the even column), one UE8M0 scale per 32 columns
+  (``dequantize_fp4_rows``). Which one a weight is follows from its stored dtype.
+
+All give, in fp32, exactly what transformers' ``_dequantize_fp8_weight``, ``Fp8Dequantize`` and
+``convert_moe_packed_tensors`` give (tests/hf/test_quantized.py checks it bit for bit). For block-scaled FP8,
+transformers' load-time ``Fp8Dequantize`` agrees where the blocks tile the weight exactly; it derives the block from
+the scale grid (rows // grid rows), so at a partial edge it raises or mis-tiles (576 rows in 5 blocks), where
+DeepSeek's kernel and this one do not. The quantizers make such
 tensors, for tests or a user who wants them.
 """
 
 import torch
 
-METHODS = {"fp8": "block-scaled FP8 (DeepSeek-V3)", "mxfp4": "MXFP4 experts (GPT-OSS)"}
+METHODS = {"fp8": "block-scaled FP8 (DeepSeek-V3; DeepSeek-V4 with its FP4 experts)",
+           "mxfp4": "MXFP4 experts (GPT-OSS)"}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 SCALE_INV, BLOCKS, SCALES = "_scale_inv", "_blocks", "_scales"
+WEIGHT, V4_SCALE = ".weight", ".scale"  # DeepSeek-V4's release: X.weight scaled by X.scale
+FP4_PACKED = torch.int8  # DeepSeek-V4's FP4 experts: two e2m1 codes a byte
 MX_GROUP = 32  # elements sharing one E8M0 scale
 # e2m1 code -> value; bit 3 is the sign, so codes 8..15 are 0..7 negated
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -35,7 +44,7 @@ def _scale_values(scale_inv):
     # ue8m0 releases may store their power-of-two scales as raw bytes: 2 ** (byte - 127), as transformers reads them
     if scale_inv.dtype == torch.uint8:
         return (scale_inv.float() - 127.0).exp2()
-    return scale_inv.float()
+    return scale_inv.float()  # fp32, or float8_e8m0fnu (exact: a power of two)
 
 
 def dequantize_fp8_blocks(weight, scale_inv, block=(128, 128)) -> torch.Tensor:
@@ -109,3 +118,48 @@ def quantize_mxfp4(tensor):
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
     return packed.contiguous(), (e + 127).to(torch.uint8)
 
+
+
+def _fp4_values(packed) -> torch.Tensor:
+    """fp32 [..., 2 n] from bytes [..., n]: the low nibble is the even element."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
+
+
+def dequantize_fp4_rows(packed, scale) -> torch.Tensor:
+    """fp32 [..., rows, 2 n] from DeepSeek-V4's FP4 ``packed`` [..., rows, n] (int8) and ``scale`` [..., rows, G]
+    (UE8M0, or fp32), each scale over ``2 n / G`` consecutive columns of its row (32 in the release)."""
+    values = _fp4_values(packed)
+    scale = _scale_values(scale)
+    rows, cols = values.shape[-2:]
+    if scale.dim() < 2 or tuple(scale.shape[:-1]) != tuple(values.shape[:-1]) or cols % scale.shape[-1]:
+        raise ValueError(f"an FP4 weight of {cols} columns ({tuple(packed.shape)} bytes) needs scales "
+                         f"[{', '.join(map(str, values.shape[:-1]))}, G] with G dividing {cols}, "
+                         f"not {tuple(scale.shape)}")
+    return values.unflatten(-1, (scale.shape[-1], -1)).mul_(scale.unsqueeze(-1)).flatten(-2)
+
+
+def power_of_two_scales(scale_inv) -> torch.Tensor:
+    """UE8M0 scales (``float8_e8m0fnu``): each fp32 scale rounded up to a power of two, as DeepSeek-V4's release
+    stores them (rounding up keeps every value within FP8's range)."""
+    return torch.exp2(torch.ceil(torch.log2(scale_inv.float()))).to(torch.float8_e8m0fnu)
+
+
+def quantize_fp8_ue8m0(weight, block=(128, 128)):
+    """(float8_e4m3fn weight, float8_e8m0fnu scale): `quantize_fp8_blocks` with DeepSeek-V4's power-of-two scales."""
+    _, scale_inv = quantize_fp8_blocks(weight, block)
+    scale = power_of_two_scales(scale_inv)
+    (rows, cols), (bm, bn) = weight.shape[-2:], block
+    spread = scale.float().repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
+    return (weight.float() / spread).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_fp4_rows(weight, group: int = MX_GROUP):
+    """(int8 packed, float8_e8m0fnu scales), the inverse of `dequantize_fp4_rows` for ``weight`` [..., rows, cols]
+    with cols a multiple of ``group``: `quantize_mxfp4`'s rounding, along each row."""
+    if weight.shape[-1] % group:
+        raise ValueError(f"FP4 groups {group} columns; {tuple(weight.shape)} has {weight.shape[-1]}")
+    blocks, scales = quantize_mxfp4(weight.transpose(-2, -1))  # quantize_mxfp4 groups along dim -2
+    packed = blocks.flatten(-2).view(torch.int8)  # [..., rows, G, 16] -> [..., rows, cols / 2], the same nibbles
+    return packed, scales.view(torch.float8_e8m0fnu)

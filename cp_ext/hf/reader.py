@@ -1,8 +1,9 @@
 """A Hugging Face model directory, read lazily: ``config.json`` and its safetensors tensors by name.
 
 A quantized release (config.json's ``quantization_config``: `cp_ext.hf.quantized.METHODS`) reads as its unquantized
-twin: `HFCheckpoint.names` gives the logical names (``X`` for ``X`` + ``X_scale_inv``, ``Y`` for ``Y_blocks`` +
-``Y_scales``) and `HFCheckpoint.get` dequantizes, so an adapter never knows.
+twin: `HFCheckpoint.names` gives the logical names (``X`` for ``X`` + ``X_scale_inv``, ``X.weight`` for
+DeepSeek-V4's ``X.weight`` + ``X.scale``, ``Y`` for ``Y_blocks`` + ``Y_scales``) and `HFCheckpoint.get`
+dequantizes, so an adapter never knows.
 """
 
 import json
@@ -64,6 +65,10 @@ class HFCheckpoint:
                 if base not in stored:
                     raise HFError(f"{self.files[name]}: tensor {name} scales {base}, which the checkpoint lacks")
                 parts[base] = (base, name)
+            if self.quantization == "fp8" and name.endswith(q.V4_SCALE):  # DeepSeek-V4's X.weight + X.scale
+                base = name[:-len(q.V4_SCALE)] + q.WEIGHT
+                if base in stored:
+                    parts[base] = (base, name)
             for have, other in ((q.BLOCKS, q.SCALES), (q.SCALES, q.BLOCKS)):
                 if self.quantization == "mxfp4" and name.endswith(have):
                     base = name[:-len(have)]
@@ -118,13 +123,17 @@ class HFCheckpoint:
                               f" (and config.json's quant_method is {self.quantization}, not 'fp8')"))
         else:
             how = f" (dequantized from {' and '.join(parts)})"
-            want = (q.FP8, None) if self.quantization == "fp8" else (torch.uint8, torch.uint8)
+            fp4 = self.quantization == "fp8" and tensors[0].dtype == q.FP4_PACKED  # DeepSeek-V4's experts
+            want = ((q.FP4_PACKED if fp4 else q.FP8, None) if self.quantization == "fp8"
+                    else (torch.uint8, torch.uint8))
             for part, t, dtype in zip(parts, tensors, want):
                 if dtype is not None and t.dtype != dtype:
                     raise HFError(f"{self.files[part]}: tensor {part} is stored in {t.dtype}; {self.quantization} "
-                                  f"stores it in {dtype}")
+                                  f"stores it in {dtype} (or, FP4-packed, in {q.FP4_PACKED})")
             try:
-                if self.quantization == "fp8":
+                if fp4:
+                    tensor = q.dequantize_fp4_rows(*tensors)
+                elif self.quantization == "fp8":
                     tensor = q.dequantize_fp8_blocks(*tensors, self.block)
                 else:
                     tensor = q.dequantize_mxfp4(*tensors)
@@ -147,12 +156,15 @@ class HFCheckpoint:
         parts = self.parts[name]
         try:
             with safe_open(self.files[parts[0]], "pt") as f:
-                shape = tuple(f.get_slice(parts[0]).get_shape())
+                stored = f.get_slice(parts[0])
+                shape, dtype = tuple(stored.get_shape()), stored.get_dtype()
         except Exception as e:
             raise HFError(f"{self.files[parts[0]]}: not a readable safetensors file: corrupt or truncated "
                           f"({type(e).__name__}: {e})") from None
         if len(parts) == 2 and self.quantization == "mxfp4":  # blocks [..., rows, G, 16] -> [..., G * 32, rows]
             shape = (*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3])
+        if len(parts) == 2 and self.quantization == "fp8" and dtype == "I8":  # FP4: two columns a byte
+            shape = (*shape[:-1], 2 * shape[-1])
         return shape
 
     def stored_dtypes(self):

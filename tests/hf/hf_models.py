@@ -206,3 +206,60 @@ def _perturbed(model, family):
             elif family == "gpt_oss" and "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def save_quantized(model, directory, quantize_name, method, block=None, family_naming=None):
+    """``model`` saved as a quantized release (the saved tensors named by ``quantize_name`` quantized), with
+    config.json's quantization_config; returns the transformers model of the dequantized weights and them.
+    ``family_naming`` "deepseek_v4": V4's release format (``X.scale``, UE8M0 scales, FP4 routed experts)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from cp_ext.hf import quantized as q
+
+    plain = directory.with_name(directory.name + "_dequantized")
+    model.save_pretrained(directory)  # the release's tensor names, then the weights replaced below
+    saved = load_file(directory / "model.safetensors")
+    tensors, dequantized = {}, {}
+    for name, tensor in saved.items():
+        if not quantize_name(name):
+            tensors[name] = tensor
+            continue
+        if method == "fp8" and family_naming == "deepseek_v4":  # X.weight + X.scale; the routed experts FP4
+            scale_name = name[:-len(q.WEIGHT)] + q.V4_SCALE
+            if ".ffn.experts." in name:
+                tensors[name], tensors[scale_name] = q.quantize_fp4_rows(tensor)
+                dequantized[name] = q.dequantize_fp4_rows(tensors[name], tensors[scale_name])
+            else:
+                tensors[name], tensors[scale_name] = q.quantize_fp8_ue8m0(tensor, block)
+                dequantized[name] = q.dequantize_fp8_blocks(tensors[name], tensors[scale_name], block)
+        elif method == "fp8":
+            weight, scale_inv = q.quantize_fp8_blocks(tensor, block)
+            tensors[name], tensors[name + q.SCALE_INV] = weight, scale_inv
+            dequantized[name] = q.dequantize_fp8_blocks(weight, scale_inv, block)
+        else:
+            blocks, scales = q.quantize_mxfp4(tensor)
+            tensors[name + q.BLOCKS], tensors[name + q.SCALES] = blocks, scales
+            dequantized[name] = q.dequantize_mxfp4(blocks, scales)
+        assert not torch.equal(dequantized[name], tensor)  # quantizing changed it: the reference must follow
+    assert dequantized
+    shutil.copytree(directory, plain)
+    save_file({**saved, **dequantized}, plain / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, **({"weight_block_size": list(block)} if block else {}),
+                                     **({"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+                                        if family_naming == "deepseek_v4" else {})}
+    (directory / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, attn_implementation="eager").eval()
+    return reference, {**saved, **dequantized}
+
+
+def v4_release_target(name):
+    """What DeepSeek-V4's release quantizes: the attention's projections and the experts (the routed ones to FP4)."""
+    return ".layers." in name and name.endswith(".weight") and any(
+        f".{w}." in name for w in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3"))

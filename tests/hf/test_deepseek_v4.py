@@ -13,6 +13,10 @@ full forward of 64 tokens in the training layout. Two cases per grid:
 * two packed documents (40 + 24 tokens, ``--reset-attention-mask``, positions restarting): each document's
   log-probabilities equal transformers' on that document alone.
 
+The release's quantized form (FP8 with UE8M0 block scales, FP4 routed experts: ``X.weight`` + ``X.scale``) is
+quantized here as the release is, imported dequantized and scored on the same launches (CP1, CP2, CP4) against
+transformers on the dequantized weights; its export is the unquantized model.
+
 transformers' indexer breaks score ties by its ``topk`` kernel and cp_ext by position; with 16 random indexer heads
 no score is exactly 0 here (`test_indexer_scores_have_no_ties`). Export gives every tensor back bit for bit, in
 shards transformers loads with no missing or unexpected key. Configs the flags cannot express are named.
@@ -41,6 +45,7 @@ GRIDS = {  # name: (ranks, flags)
     "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
 }
 QUICK = ("cp2_ring",)
+RELEASE = "deepseek_v4_fp8_fp4"  # the release's quantized form, scored on the same launches
 
 
 # ----------------------------------------------------------------------------- worker
@@ -57,7 +62,7 @@ def converted(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.hf.hf_models import V4_SHARDS, tiny_hf
+    from tests.hf.hf_models import V4_SHARDS, save_quantized, tiny_hf, v4_release_target
 
     root = tmp_path_factory.mktemp("deepseek_v4")
     hf, ckpt = root / "hf", root / "ckpt"
@@ -66,7 +71,15 @@ def converted(tmp_path_factory):
     assert "convert_hf:" in proc.stdout, proc.stdout[-2000:]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     ids, reference = draw_inputs(model, LENGTH, NEW_TOKENS, DOCUMENTS)
-    return {FAMILY: (hf, ckpt, model, ids, reference)}
+    # the release's quantized form: FP8 (UE8M0 8 x 8 blocks) projections, FP4 routed experts (32 columns a scale:
+    # their ffn 32 here); the reference is transformers on the dequantized weights
+    release_hf, release_ckpt = root / "release", root / "release_ckpt"
+    release, dequantized = save_quantized(tiny_hf(FAMILY, moe_intermediate_size=32), release_hf, v4_release_target,
+                                          "fp8", (8, 8), FAMILY)
+    run_script(0, TOOL, "import", "--hf-dir", release_hf, "--save", release_ckpt)
+    release_ids, release_reference = draw_inputs(release, LENGTH, NEW_TOKENS, DOCUMENTS)
+    return {FAMILY: (hf, ckpt, model, ids, reference),
+            RELEASE: (release_hf, release_ckpt, release, release_ids, release_reference, dequantized)}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +92,33 @@ def scores(converted, tmp_path_factory, quick):
 def test_logprobs_equal_transformers(converted, scores, grid):
     _, _, _, ids, reference = converted[FAMILY]
     check_logprobs(scores(grid, FAMILY), reference, ids, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("grid", ["cp1", "cp2_ring", "cp4_ring"])
+def test_quantized_release_imports_dequantized(converted, scores, grid):
+    """DeepSeek-V4's release format (``X.weight`` + ``X.scale``: FP8 with UE8M0 block scales, FP4 routed experts)
+    imports dequantized: log-probs equal transformers' on the dequantized weights."""
+    _, _, _, ids, reference, _ = converted[RELEASE]
+    check_logprobs(scores(grid, RELEASE), reference, ids, NEW_TOKENS)
+
+
+def test_quantized_release_exports_unquantized(converted, tmp_path):
+    """The export writes the dequantized weights (no scales, no quantization_config) in the release's names."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    _, ckpt, _, _, _, dequantized = converted[RELEASE]
+    out = tmp_path / "exported"
+    proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out)
+    assert "config.json's fp8 quantization_config dropped" in proc.stdout
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    exported = {}
+    for path in out.glob("*.safetensors"):
+        exported.update(load_file(path))
+    assert sorted(exported) == sorted(dequantized)
+    assert all(torch.equal(exported[k], t) for k, t in dequantized.items())
 
 
 def test_indexer_scores_have_no_ties(converted):

@@ -1,6 +1,7 @@
 """Quantized Hugging Face releases read as their unquantized twins (cp_ext/hf/quantized.py, cp_ext/hf/reader.py).
 
-DeepSeek-V3's block-scaled FP8 and GPT-OSS's MXFP4 experts: our dequantization equals transformers' own bit for bit
+DeepSeek-V3's block-scaled FP8, DeepSeek-V4's (UE8M0 scales, FP4 experts) and GPT-OSS's MXFP4 experts: our
+dequantization equals transformers' own bit for bit
 (`_dequantize_fp8_weight`, `Fp8Dequantize`, `convert_moe_packed_tensors`, `Mxfp4Dequantize` into a GptOss model's
 parameters), blocks whose scales differ by powers of two pin the tiling and the transpose, the quantizers round-trip
 within FP8 / FP4 precision, and an HF directory (sharded with a partner in another shard, or one file) shows logical
@@ -182,6 +183,51 @@ def test_mxfp4_matches_transformers_bit_for_bit():
         assert theirs.shape == param.shape and torch.equal(theirs, w) and torch.equal(q.dequantize_mxfp4(b, s), w)
 
 
+# --- DeepSeek-V4: FP8 with UE8M0 scales, FP4 experts -----------------------------------------------------------------
+
+def random_e8m0(*shape, seed=0):
+    """UE8M0 scales 2**-20 .. 2**4 (float8_e8m0fnu)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(127 - 20, 127 + 5, shape, dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+
+
+def test_v4_fp8_and_fp4_match_transformers_bit_for_bit():
+    """transformers' load-time ``Fp8Dequantize`` (which DeepSeek-V4's release goes through) on an e4m3 weight with
+    UE8M0 block scales and on an FP4-packed expert weight with a UE8M0 scale per 32 columns: ours, bit for bit."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    theirs = Fp8Dequantize(None)._dequantize_one
+    w, scale = random_fp8(256, 384), random_e8m0(2, 3)
+    assert torch.equal(q.dequantize_fp8_blocks(w, scale), theirs(w, scale, output_dtype=torch.float32))
+    packed = torch.randint(-128, 128, (64, 48), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    scales = random_e8m0(64, 3, seed=3)
+    ours = q.dequantize_fp4_rows(packed, scales)
+    assert ours.shape == (64, 96) and torch.equal(ours, theirs(packed, scales, output_dtype=torch.float32))
+    # the nibbles: byte 0x7A holds code 10 (-1.0) in column 0 and code 7 (6.0) in column 1
+    one = q.dequantize_fp4_rows(torch.tensor([[0x7A] + [0] * 15], dtype=torch.uint8).view(torch.int8),
+                                torch.tensor([[128]], dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    assert one[0, :2].tolist() == [-2.0, 12.0] and not one[0, 2:].any()
+
+
+def test_v4_quantizers_round_trip():
+    """The quantizers the release tests use: power-of-two scales (rounded up, so no block saturates) and FP4 rows."""
+    torch.manual_seed(0)
+    w = torch.randn(200, 300) * torch.logspace(-2, 2, 300)
+    fp8, scale = q.quantize_fp8_ue8m0(w)
+    assert fp8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and scale.shape == (2, 3)
+    assert torch.equal(scale.float(), torch.exp2(torch.log2(scale.float()).round()))  # powers of two
+    s = spread(scale.float(), w.shape)
+    back = q.dequantize_fp8_blocks(fp8, scale)
+    assert ((back - w).abs() <= w.abs() / 16 + s * 2 ** -10).all() and (back - w).abs().max() > 0
+    e = torch.randn(6, 64)
+    packed, scales = q.quantize_fp4_rows(e)
+    assert packed.dtype == torch.int8 and packed.shape == (6, 32) and scales.shape == (6, 2)
+    again = q.dequantize_fp4_rows(packed, scales)
+    assert torch.equal(again, q.dequantize_fp4_rows(*q.quantize_fp4_rows(again)))  # FP4 values are fixed points
+    with pytest.raises(ValueError, match="needs scales"):
+        q.dequantize_fp4_rows(packed, scales[:, :1].repeat(1, 3))
+
+
 # --- HFCheckpoint ----------------------------------------------------------------------------------------------------
 
 def write_hf(path, tensors, quantization_config=None, shards=None):
@@ -317,3 +363,24 @@ def test_bad_quantized_tensors(tmp_path):
              {"quant_method": "fp8", "weight_block_size": [128]})
     with pytest.raises(HFError, match=r"config.json: quantization_config's weight_block_size \[128\] is not two"):
         HFCheckpoint(tmp_path / "i")
+
+
+def test_v4_release_reads_dequantized(tmp_path):
+    """DeepSeek-V4's naming: ``X.weight`` with ``X.scale`` (FP8, UE8M0 blocks) and the experts' FP4 ``X.weight``
+    (int8, half the columns) with ``X.scale``; the logical names are the weights', their shapes the dequantized ones
+    (from the headers alone as well); the hyper-connections' ``hc_attn_scale`` is a tensor of its own."""
+    torch.manual_seed(0)
+    wq, w1 = "layers.0.attn.wq_a.weight", "layers.0.ffn.experts.0.w1.weight"
+    t = {"layers.0.hc_attn_scale": torch.randn(3), "layers.0.attn.attn_sink": torch.randn(4)}
+    t[wq], t["layers.0.attn.wq_a.scale"] = q.quantize_fp8_ue8m0(torch.randn(200, 300), (128, 128))
+    t[w1], t["layers.0.ffn.experts.0.w1.scale"] = q.quantize_fp4_rows(torch.randn(16, 64))
+    config = {**FP8_CONFIG, "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    hf = HFCheckpoint(write_hf(tmp_path, t, config))
+    assert hf.names() == {wq, w1, "layers.0.hc_attn_scale", "layers.0.attn.attn_sink"}
+    assert torch.equal(hf.get(wq, (200, 300)), q.dequantize_fp8_blocks(t[wq], t["layers.0.attn.wq_a.scale"]))
+    assert torch.equal(hf.get(w1, (16, 64)), q.dequantize_fp4_rows(t[w1], t["layers.0.ffn.experts.0.w1.scale"]))
+    assert hf.shapes_only().get(w1, (16, 64)).shape == (16, 64)
+    with pytest.raises(HFError, match=r"experts.0.w1.weight \(dequantized from .*w1.weight and .*w1.scale\) has "
+                                      r"shape \(16, 64\), config.json implies \(16, 32\)"):
+        hf.shapes_only().get(w1, (16, 32))
+    assert torch.equal(hf.get("layers.0.hc_attn_scale"), t["layers.0.hc_attn_scale"])

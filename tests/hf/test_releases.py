@@ -1,7 +1,8 @@
 """What real Hugging Face releases bring to tools/convert_hf.py, on the tiny models of `tests.hf.hf_models`:
 
 * quantized weights, quantized here as the releases are: DeepSeek-V3's block-scaled FP8 (``weight_scale_inv``;
-  8x8 blocks on the toy sizes, so edges and tiling matter) and GPT-OSS's MXFP4 experts (``_blocks``/``_scales``).
+  8x8 blocks on the toy sizes, so edges and tiling matter) and GPT-OSS's MXFP4 experts (``_blocks``/``_scales``)
+  (DeepSeek-V4's release: tests/hf/test_deepseek_v4.py, on its grids).
   The import's log-probs equal transformers' on the dequantized weights within 1e-4; the export writes them
   unquantized, without ``quantization_config``, and transformers loads it with no missing or unexpected key;
 * the tokenizer: ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model CKPT/hf`` encodes as transformers'
@@ -16,47 +17,8 @@ import json
 import pytest
 
 from tests.launch import REPO_ROOT, run_script
-from tests.hf.hf_models import tiny_hf
+from tests.hf.hf_models import save_quantized, tiny_hf
 from tests.hf.test_convert import GENERATE, PROMPT, TOOL, _scores_equal_transformers
-
-
-def _save_quantized(model, directory, quantize_name, method, block=None):
-    """``model`` saved as a quantized release (the saved tensors named by ``quantize_name`` quantized), with
-    config.json's quantization_config; returns the transformers model of the dequantized weights and them."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    from cp_ext.hf import quantized as q
-
-    plain = directory.with_name(directory.name + "_dequantized")
-    model.save_pretrained(directory)  # the release's tensor names, then the weights replaced below
-    saved = load_file(directory / "model.safetensors")
-    tensors, dequantized = {}, {}
-    for name, tensor in saved.items():
-        if not quantize_name(name):
-            tensors[name] = tensor
-            continue
-        if method == "fp8":
-            weight, scale_inv = q.quantize_fp8_blocks(tensor, block)
-            tensors[name], tensors[name + q.SCALE_INV] = weight, scale_inv
-            dequantized[name] = q.dequantize_fp8_blocks(weight, scale_inv, block)
-        else:
-            blocks, scales = q.quantize_mxfp4(tensor)
-            tensors[name + q.BLOCKS], tensors[name + q.SCALES] = blocks, scales
-            dequantized[name] = q.dequantize_mxfp4(blocks, scales)
-        assert not torch.equal(dequantized[name], tensor)  # quantizing changed it: the reference must follow
-    assert dequantized
-    shutil.copytree(directory, plain)
-    save_file({**saved, **dequantized}, plain / "model.safetensors", metadata={"format": "pt"})
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, **({"weight_block_size": list(block)} if block else {})}
-    (directory / "config.json").write_text(json.dumps(config))
-    reference = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, attn_implementation="eager").eval()
-    return reference, {**saved, **dequantized}
 
 
 def _fp8_target(name):  # the release quantizes the layers' projections; norms, router, embeddings stay
@@ -77,8 +39,8 @@ def test_quantized_release_imports_dequantized(release, tmp_path):
 
     family, changes, method, block, target = RELEASES[release]
     hf, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "exported"
-    model, expected = _save_quantized(tiny_hf(family, **changes), hf, target, method, block)
-    assert any(k.endswith(("_scale_inv", "_blocks")) for k in load_file(hf / "model.safetensors"))
+    model, expected = save_quantized(tiny_hf(family, **changes), hf, target, method, block, family)
+    assert any(k.endswith(("_scale_inv", "_blocks", ".scale")) for k in load_file(hf / "model.safetensors"))
     run_script(0, TOOL, "import", "--hf-dir", hf, "--save", ckpt)
     _scores_equal_transformers(ckpt, model, 2, ["--context-parallel-size", "2"], tmp_path)
     proc = run_script(0, TOOL, "export", "--load", ckpt, "--hf-dir", out)
