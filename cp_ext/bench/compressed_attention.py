@@ -29,16 +29,18 @@ import torch.distributed as dist
 from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention
 from cp_ext.bench.attention import time_interleaved
 from cp_ext.bench.workers import WorkerError, run_workers
+from cp_ext.perf.compressed_layers import CompressedLayers, compressed_layer_bytes
 from cp_ext.perf.sent_bytes import record_sent_bytes
 
 KINDS = ("sliding", "csa", "hca")
 RATES = {"csa": 4, "hca": 128}
+WINDOW, INDEX_DIM = 128, 128
 
 
 def _inputs(kind, s_local, a, gen):
     """This rank's tensors for one layer kind (leaves with grads where the loss reaches them)."""
     randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    d, h, hi, di = a.head_dim, a.heads, a.index_heads, 128
+    d, h, hi, di = a.head_dim, a.heads, a.index_heads, INDEX_DIM
     inv = 1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
     t = {"q": randn(s_local, 1, h, d), "kv": randn(s_local, 1, d), "sinks": randn(h)}
     comp = idx = None
@@ -73,7 +75,7 @@ def worker(argv):
     calls = {}
     for kind in KINDS:
         t, comp, idx, inv = _inputs(kind, s_local, a, gen)
-        spec = CompressedAttentionSpec(kind, 128, a.head_dim ** -0.5, index_topk=a.topk)
+        spec = CompressedAttentionSpec(kind, WINDOW, a.head_dim ** -0.5, index_topk=a.topk)
         calls[kind] = (lambda t=t, comp=comp, idx=idx, spec=spec, inv=inv: compressed_attention(
             t["q"], t["kv"], t["sinks"], spec, positions=positions, group=dist.group.WORLD, compressor=comp,
             indexer=idx, rope_inv_freq=inv))
@@ -102,22 +104,33 @@ def run(*, cp, seq_length, heads, head_dim, index_heads, topk, reps, warmup, tim
     return run_workers("cp_ext.bench.compressed_attention", cp, args, timeout=timeout)
 
 
-def summarize(ranks, cp, seq_length, head_dim):
+def modelled_bytes(cp, seq_length, head_dim, index_heads):
+    """The planner's bytes per rank for each V4 kind at the benchmark's dims (`cp_ext.perf.compressed_layers`)."""
+    layers = CompressedLayers(ratios=(0, RATES["csa"], RATES["hca"]), csa_ratio=RATES["csa"], hca_ratio=RATES["hca"],
+                              window=WINDOW, index_heads=index_heads, index_head_dim=INDEX_DIM)
+    return {kind: compressed_layer_bytes(layers, kind, s=seq_length, cp=cp, d=head_dim, dtype="fp32")
+            for kind in KINDS}
+
+
+def summarize(ranks, cp, seq_length, head_dim, index_heads=4):
     """The printed table: each variant's median time and its ratio to dense, the busiest rank's bytes (forward,
-    backward) and their ratio to the dense 512-wide K/V all-gather's forward."""
+    backward; the planner's next to them) and their ratio to the dense 512-wide K/V all-gather's forward."""
     dense_exchange = (cp - 1) * (seq_length // cp) * head_dim * 4
+    model = modelled_bytes(cp, seq_length, head_dim, index_heads)
     rows = {}
     print(f"DeepSeek-V4 attention at CP{cp}, s = {seq_length}, fp32, fwd + bwd (median of the slowest rank's time):")
     print(f"{'variant':10s} {'seconds':>9s} {'/ dense':>8s} {'fwd bytes':>12s} {'bwd bytes':>12s} "
-          f"{'fwd / K/V all-gather':>21s}")
+          f"{'fwd / K/V all-gather':>21s} {'planner fwd + bwd':>18s}")
     dense_time = statistics.median(ranks[0]["seconds"]["dense"])
     for name in (*KINDS, "dense"):
         seconds = statistics.median(ranks[0]["seconds"][name])
         fwd = max(r["bytes"][name]["fwd"] for r in ranks)
         bwd = max(r["bytes"][name]["bwd"] for r in ranks)
+        planned = max(x["fwd"] + x["bwd"] for x in model[name]) if name in model else None
         rows[name] = dict(seconds=seconds, ratio=seconds / dense_time, fwd=fwd, bwd=bwd,
-                          vs_exchange=fwd / dense_exchange)
-        print(f"{name:10s} {seconds:9.3f} {seconds / dense_time:8.3f} {fwd:12d} {bwd:12d} {fwd / dense_exchange:21.4f}")
+                          vs_exchange=fwd / dense_exchange, modelled=None if name not in model else model[name])
+        print(f"{name:10s} {seconds:9.3f} {seconds / dense_time:8.3f} {fwd:12d} {bwd:12d} {fwd / dense_exchange:21.4f} "
+              f"{'' if planned is None else planned:>18}")
     print(f"a dense all-gather of the {head_dim}-wide K/V head sends {dense_exchange} bytes per rank forward "
           f"((C - 1) x s/C x {head_dim} x 4)")
     return rows
@@ -144,7 +157,7 @@ def main(argv=None, description=None):
     except WorkerError as e:
         print(e, file=sys.stderr)
         return 1
-    rows = summarize(ranks, a.cp, a.seq_length, a.head_dim)
+    rows = summarize(ranks, a.cp, a.seq_length, a.head_dim, a.index_heads)
     if a.json:
         Path(a.json).write_text(json.dumps({"ranks": ranks, "summary": rows}, indent=1))
     return 0

@@ -25,6 +25,10 @@ that fit are ranked: no recompute first, then the least estimated communication 
 then the smallest pipeline bubble. Layouts that do not fit or are invalid are listed with
 their reason (``--show-invalid``).
 
+DeepSeek-V4 (``--model deepseek-v4-flash``, or its flags after ``--``): the ring column holds its layers' own
+exchange (the window's halo, the straddling blocks' rows, the compressed entries), no Ulysses, and a table gives each
+layer kind's parameters, activations and bytes on the first layout listed (`cp_ext.perf.compressed_layers`).
+
 ``--cp-comm-types a2a+p2p all_gather`` also plans every CP > 1 layout with all-gather
 attention (``--cp-comm-type all_gather``: K/V all-gathered over the CP group, dK/dV
 reduce-scattered; no Ulysses), ranked with the others: its transient full-sequence K/V (and
@@ -42,8 +46,8 @@ import argparse
 
 from cp_ext.perf.memory import GiB, PRESETS, ModelShape, total_params
 from cp_ext.perf.model_shape import active_params, describe
-from cp_ext.perf.parallelism_planner import (COMM_TYPES, SHAPE_FIELDS, format_grid, kv_arithmetic, linear_arithmetic,
-                                             plan, shape_from_fields)
+from cp_ext.perf.parallelism_planner import (COMM_TYPES, SHAPE_FIELDS, compressed_kinds, format_grid, kv_arithmetic,
+                                             linear_arithmetic, plan, shape_from_fields)
 
 
 def main(argv=None) -> int:
@@ -111,6 +115,8 @@ def main(argv=None) -> int:
               f"{c['tp'] / 2**20:7.1f} {c['cp_ring'] / 2**20:7.1f} {c['cp_ulysses'] / 2**20:7.1f} "
               f"{c['cp_all_gather'] / 2**20:7.1f} {c['ep'] / 2**20:7.1f} "
               f"{pl.comm_seconds:7.3f} {pl.bubble:6.2f}  {pl.reason}{transient}")
+    if m.compressed is not None and plans and plans[0].memory:
+        _print_compressed_kinds(m, plans[0], args)
     if args.document_lengths and valid:
         _suggest_dynamic_cp(p, args, m, valid)
     if args.show_invalid or not valid:
@@ -118,6 +124,17 @@ def main(argv=None) -> int:
             if not pl.valid:
                 print(f"    excluded {format_grid(pl.grid, pl.comm_type):34s} {pl.reason}")
     return 0 if valid else 1
+
+
+def _print_compressed_kinds(m, best, args):
+    """DeepSeek-V4: each layer kind's parameters, activations and CP bytes on the first layout listed."""
+    rows = compressed_kinds(m, best.grid, s=args.seq_length, b=args.micro_batch, dtype=args.dtype)
+    print(f"DeepSeek-V4's layer kinds on {format_grid(best.grid)} (per layer and rank, no recompute; CP bytes fwd + bwd, "
+          f"the busiest rank's; 'vs K/V' = forward bytes / a dense all-gather of the {m.v_head_dim}-wide K=V head):")
+    print(f"    {'kind':8s} {'layers':>6s} {'attention params':>17s} {'activ GiB':>10s} {'CP MiB':>9s} {'vs K/V':>7s}")
+    for r in rows:
+        print(f"    {r['kind']:8s} {r['layers']:6d} {r['params'] / 1e6:16.1f}M {r['activations'] / GiB:10.3f} "
+              f"{r['cp_bytes'] / 2**20:9.2f} {r['vs_dense']:7.4f}")
 
 
 def _shape_from_planner_flags(p, args) -> ModelShape:

@@ -33,13 +33,14 @@ q-LoRA ranks are taken as replicated over TP (counted /SP), an estimate: the lat
 
 from typing import Dict
 
+from cp_ext.perf.compressed_layers import compressed_attention_elems, hyper_connection_elems
 from cp_ext.perf.model_shape import ModelShape
 
 
 def mla_takes_latent(m: ModelShape, *, tp: int = 1, cp: int = 1, ulysses: int = 1, all_gather: bool = False,
                      exchange: str = "auto") -> bool:
     """`cp_ext.transformer.mla`'s choice (latent_possible + takes_latent), without importing torch."""
-    if not m.multi_latent_attention:
+    if not m.multi_latent_attention or m.compressed is not None:  # V4's layers exchange their own rows
         return False
     possible = cp > 1 and (all_gather or ulysses == 1) and tp == 1
     smaller = m.kv_lora_rank + m.qk_pos_emb_head_dim < (m.heads // tp) * (m.head_dim + m.v_head_dim)
@@ -59,18 +60,19 @@ def router_saved_bytes(m: ModelShape, e: int = 2) -> int:
     loss, DeepSeek-V2 pre-softmax + sequence aux loss, DeepSeek-V3 sigmoid + groups + expert bias).
     The dispatcher's probs are fp32 with --moe-router-dtype fp32, else in the activation dtype ``e``."""
     k, E = m.topk, m.experts
-    scores = 4 * E if (m.moe_router_pre_softmax or m.moe_router_score_function == "sigmoid") else 4 * k
+    elementwise = m.moe_router_score_function in ("sigmoid", "sqrtsoftplus")  # a score per expert, kept
+    scores = 4 * E if (m.moe_router_pre_softmax or elementwise) else 4 * k
     out = 8 * k + scores + (8 * k + 4 * E if m.moe_aux_loss else 0)
     if m.moe_router_num_groups:
         out += 8 * k * m.moe_router_num_groups + 8 * (m.moe_router_group_topk or 1) + E
-    if m.moe_router_score_function == "sigmoid":
+    if elementwise:
         out += 4 * k + 8
     probs = 4 if m.moe_router_fp32 else e
     return out + E * (1 + probs) + 8 * k  # the dispatcher's routing map, probs and permutation indices
 
 
 def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent: bool, e: int,
-                    up_proj_recompute: bool = False) -> Dict[str, float]:
+                    up_proj_recompute: bool = False, s: int = 0) -> Dict[str, float]:
     """Attention's saved elements per token (after the first norm's output), by dtype. The norms
     (torch's, without apex) save their input and the normalized tensor in fp32: in bf16 an fp32
     copy of their input, in fp32 the input itself (a view of a saved projection where it is one).
@@ -79,6 +81,10 @@ def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent:
     per-head K/V, or q and the latent key) are discarded after the forward; their inputs stay (the
     normed latent c, and k_pe, a view of the kv_down output's storage). 'restored' is what the
     recompute brings back for one layer in its backward."""
+    if m.compressed is not None:  # DeepSeek-V4's layers (``s``: the sequence, for the tiles' entry masks)
+        out = compressed_attention_elems(m.compressed, m.compressed.kind(i), h=m.hidden, a=m.heads, d=m.v_head_dim,
+                                         q_rank=m.q_lora_rank, rope=m.qk_pos_emb_head_dim, tp=tp, sp=sp, cp=cp, s=s)
+        return dict(out, restored=0.0)
     a, dv = m.heads / tp, m.v_dim
     upcast = e != 4
     act, fp32, restored = 0.0, a, 0.0  # the LSE
@@ -113,14 +119,16 @@ def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent:
 
 
 def layer_activation_elems(m: ModelShape, i: int = 0, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                           latent: bool = False, dtype: str = "bf16", up_proj_recompute: bool = False
+                           latent: bool = False, dtype: str = "bf16", up_proj_recompute: bool = False, s: int = 0
                            ) -> Dict[str, float]:
     """Per token, layer i: elements in the activation dtype ('act'), fp32 elements, dtype-free bytes;
     'post_*': the part saved after the attention call (linear_proj's copy, the second norm, the
     MLP / MoE), freed by the time the backward reaches that attention."""
     h, e = m.hidden, 4 if dtype == "fp32" else 2
     sp = tp if sequence_parallel else 1
-    attn = attention_elems(m, i, tp=tp, sp=sp, cp=cp, latent=latent, e=e, up_proj_recompute=up_proj_recompute)
+    attn = attention_elems(m, i, tp=tp, sp=sp, cp=cp, latent=latent, e=e, up_proj_recompute=up_proj_recompute, s=s)
+    hc = hyper_connection_elems(m.residual_streams, h=h, sp=sp, iterations=m.mhc_iterations, last=i == m.layers - 1,
+                                upcast=e != 4)
     # a norm: its input and the normalized tensor in fp32 (+ rstd), its output (the next linear's input)
     norm, norm_fp32 = h / sp, (2 * h + 1) / sp
     if m.is_moe_layer(i):
@@ -131,8 +139,10 @@ def layer_activation_elems(m: ModelShape, i: int = 0, *, tp: int = 1, cp: int = 
         mlp_fp32, mlp_bytes = m.topk / tp, router_saved_bytes(m, e) / sp
     else:
         mlp, mlp_fp32, mlp_bytes = mlp_elems(m, m.ffn) / tp, 0.0, 0.0
-    return {"act": 2 * norm + attn["act"] + mlp, "fp32": 2 * norm_fp32 + attn["fp32"] + mlp_fp32, "bytes": mlp_bytes,
-            "post_act": norm + attn["copy"] + mlp, "post_fp32": norm_fp32 + mlp_fp32, "post_bytes": mlp_bytes,
+    attn_bytes = attn.get("bytes", 0.0)  # V4's tiles: masks and the selection, kept for their recompute
+    return {"act": 2 * norm + attn["act"] + mlp + hc["act"], "fp32": 2 * norm_fp32 + attn["fp32"] + mlp_fp32 + hc["fp32"],
+            "bytes": mlp_bytes + attn_bytes, "post_act": norm + attn["copy"] + mlp + hc["act"] / 2,
+            "post_fp32": norm_fp32 + mlp_fp32 + hc["fp32"] / 2, "post_bytes": mlp_bytes,
             "restored_act": attn["restored"]}
 
 

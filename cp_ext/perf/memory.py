@@ -138,7 +138,7 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
     up_proj = recompute == "mla_up_proj" and m.multi_latent_attention
     per = [layer_activation_elems(m, i, tp=tp, cp=cp, sequence_parallel=sequence_parallel, latent=latent, dtype=dtype,
-                                  up_proj_recompute=up_proj) for i in range(stage_layers)]
+                                  up_proj_recompute=up_proj, s=s) for i in range(stage_layers)]
     layer_bytes = [tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]) for x in per]
     vocab_part = tokens * outside_layers_bytes(m, e=e, tp=tp, sp=sp)
     # MTP layers (pp = 1: on this stage): one more layer like the last and its own logits each
@@ -160,8 +160,10 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     # activations are freed, so the peak is the larger of the two working sets. The recomputed
     # layer's input is the checkpoint itself (same storage), and with CP-aware recompute its
     # attention output and LSE are the kept ones: hence the subtractions.
-    layer_input = tokens * m.hidden * e / sp
-    kept = tokens * (m.heads * m.v_dim * e + m.heads * 4) / tp if recompute == "full_cp_aware" else 0.0
+    layer_input = tokens * m.hidden * max(1, m.residual_streams) * e / sp  # with mHC: the n streams
+    # V4's layers are recomputed whole (their output is not cp_ext's CP attention's, kept by CP-aware recompute)
+    cp_aware = recompute == "full_cp_aware" and m.compressed is None
+    kept = tokens * (m.heads * m.v_dim * e + m.heads * 4) / tp if cp_aware else 0.0
     held = (stage_layers + (m.mtp_layers if pp == 1 else 0)) * in_flight * (layer_input + kept)
     recomputed = max(layer_bytes) - layer_input - kept
     last_recomputed = layer_bytes[-1] - layer_input - kept
@@ -179,6 +181,14 @@ def kv_state_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int = 
     none (their state does not grow with s)."""
     e = 4 if dtype == "fp32" else 2
     layers = sum(1 for i in range(m.layers) if not m.is_linear_layer(i))
+    if m.compressed is not None:  # V4: one K=V head of d per token and each layer's entries (CSA with its index key)
+        c = m.compressed
+        per_layer = [m.v_head_dim + (0 if c.kind(i) == "sliding" else
+                                     (m.v_head_dim + (c.index_head_dim if c.indexed(c.kind(i)) else 0))
+                                     / c.rate(c.kind(i))) for i in range(m.layers)]
+        kv = sum(per_layer) * s * b * e / cp
+        lse = m.layers * m.heads * s * b * 4 / (tp * cp)
+        return {"kv": kv, "lse": lse, "total": kv + lse}
     g = m.heads if mha else m.kv_heads
     per_token = m.kv_lora_rank + m.qk_pos_emb_head_dim if latent else g * (m.head_dim + m.v_dim) / tp
     kv = layers * per_token * s * b * e / cp

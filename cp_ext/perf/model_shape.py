@@ -28,6 +28,8 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
                 H = H_k = H_v heads): in_proj [2 H K + H V, h], conv1d (2 H K + H V) w, f_a_proj [K, h], f_b_proj
                 [H K, K], beta_proj [H, h], g_a_proj [V, h], g_b_proj [H V, V], dt_bias H K, A_log H, out_norm V,
                 out_proj [h, H V] (the gates' ranks: K and V, as Kimi-Linear)
+    DeepSeek-V4 (--experimental-attention-variant dsv4_hybrid, --enable-hyper-connections): each layer's sliding,
+                CSA or HCA attention and its mHC mixings, `cp_ext.perf.compressed_layers`
     MTP         (--mtp-num-layers, megatron's MultiTokenPredictionLayer): enorm, hnorm h each,
                 eh_proj [h, 2h], one transformer layer of the last decoder layer's kind (with
                 softmax attention), its final norm h; embedding and output layer shared with the main model. cp_ext does
@@ -36,6 +38,8 @@ so the three callers (tools/plan_parallelism.py --config, tools/measure_memory.p
 
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
+
+from cp_ext.perf.compressed_layers import CompressedLayers, compressed_attention_params, hyper_connection_params
 
 # The flags `ModelShape.from_args` reads that decide a parameter's shape: what a checkpoint records
 # of its model and refuses to load into another (`cp_ext.checkpoint.checkpointer.MODEL_FLAGS`).
@@ -105,6 +109,11 @@ class ModelShape:
     linear_value_heads: int = 32
     linear_key_dim: int = 128
     linear_value_dim: int = 128
+    # DeepSeek-V4 (`cp_ext.perf.compressed_layers`): its attention layers, the mHC streams (0: none), hash layers
+    compressed: Optional[CompressedLayers] = None
+    residual_streams: int = 0
+    mhc_iterations: int = 20
+    hash_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -187,6 +196,10 @@ class ModelShape:
                                else 0),
             attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
             shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+            compressed=CompressedLayers.from_args(args),
+            residual_streams=args.num_residual_streams if getattr(args, "enable_hyper_connections", False) else 0,
+            mhc_iterations=getattr(args, "mhc_sinkhorn_iterations", 20),
+            hash_layers=getattr(args, "moe_n_hash_layers", 0) or 0,
             **_linear_fields(args),
         )
 
@@ -210,6 +223,13 @@ PRESETS: Dict[str, ModelShape] = {
     "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
                                topk=2, tied_embeddings=False),
     "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
+    # docs/families/deepseek_v4.md's command (tests/perf/test_parallelism_planner.py holds them equal): 284 B
+    "deepseek-v4-flash": ModelShape(
+        layers=43, hidden=4096, heads=64, kv_heads=64, ffn=16384, vocab=129280, experts=256, topk=6, moe_ffn=2048,
+        tied_embeddings=False, qk_layernorm=True, shared_expert_ffn=2048, multi_latent_attention=True,
+        q_lora_rank=1024, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=512,
+        moe_router_score_function="sqrtsoftplus", moe_aux_loss=False, moe_router_fp32=True,
+        compressed=CompressedLayers(ratios=(0, 0) + (4, 128) * 20 + (4,)), residual_streams=4, hash_layers=3),
 }
 
 
@@ -260,7 +280,13 @@ def layer_params(m: ModelShape, i: int, softmax_attention: bool = False) -> Dict
     sharded by TP) and the routed experts ('expert', sharded by EP x ETP). ``softmax_attention``: the
     layer's kind with softmax attention even where the pattern makes it linear (the MTP layer's)."""
     linear = m.is_linear_layer(i) and not softmax_attention
-    dense = (linear_attention_params(m) if linear else attention_params(m)) + 2 * m.hidden * (2 if m.layernorm else 1)
+    if m.compressed is not None:
+        attention = compressed_attention_params(m.compressed, m.compressed.kind(i), h=m.hidden, a=m.heads,
+                                                d=m.v_head_dim, q_rank=m.q_lora_rank)
+    else:
+        attention = linear_attention_params(m) if linear else attention_params(m)
+    dense = (attention + 2 * m.hidden * (2 if m.layernorm else 1)
+             + hyper_connection_params(m.residual_streams, m.hidden, last=i == m.layers - 1))
     if not m.is_moe_layer(i):
         return {"dense": dense + _mlp_params(m, m.ffn), "expert": 0}
     router = m.hidden * m.experts + (m.experts if m.add_bias_linear else 0)
@@ -302,7 +328,14 @@ def describe(m: ModelShape) -> str:
     """One line: what the planner took the model to be."""
     dense = sum(1 for i in range(m.layers) if not m.is_moe_layer(i))
     parts = [f"{m.layers} layers" + (f" ({dense} dense)" if m.experts and dense else ""), f"hidden {m.hidden}"]
-    if m.multi_latent_attention:
+    if m.compressed is not None:
+        c = m.compressed
+        kinds = [c.kind(i) for i in range(m.layers)]
+        parts.append(f"{m.heads} heads of {m.v_head_dim} over one K=V head, q-LoRA {m.q_lora_rank}: "
+                     f"{kinds.count('sliding')} sliding, {kinds.count('csa')} CSA (1/{c.csa_ratio}"
+                     + ("" if c.dense_csa else f", top-{c.index_topk}") + f"), {kinds.count('hca')} HCA "
+                     f"(1/{c.hca_ratio}) layers, window {c.window}")
+    elif m.multi_latent_attention:
         parts.append(f"{m.heads} heads MLA (latent {m.kv_lora_rank} + {m.qk_pos_emb_head_dim}"
                      + (f", q-LoRA {m.q_lora_rank}" if m.q_lora_rank else "") + f", q/k {m.head_dim}, v {m.v_dim})")
     else:
@@ -315,6 +348,8 @@ def describe(m: ModelShape) -> str:
     if m.window_size is not None:
         windowed = sum(1 for i in range(m.layers) if m.is_window_layer(i))
         parts.append(f"window {m.window_size[0]} on {windowed} layers")
+    if m.residual_streams:
+        parts.append(f"{m.residual_streams} residual streams (mHC)")
     if m.experts:
         parts.append(f"{m.experts} experts top-{m.topk} of {m.expert_ffn}"
                      + (f" + shared {m.shared_expert_ffn}" if m.shared_expert_ffn else ""))

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from cp_ext.perf import comm
-from cp_ext.perf.activations import mla_takes_latent
+from cp_ext.perf.activations import layer_activation_elems, mla_takes_latent
+from cp_ext.perf.compressed_layers import KINDS, compressed_attention_params, compressed_layer_bytes
 from cp_ext.perf.memory import GiB, PRESETS, Grid, ModelShape, kv_state_bytes, rank_memory, replace
 
 
@@ -41,12 +42,19 @@ def divisors(n: int) -> List[int]:
 
 def layer_comm(m: ModelShape, g: Grid, *, s: int, b: int, dtype: str, comm_type: Optional[str] = None) -> dict:
     """Bytes sent per rank per layer (forward + backward) by collective; EP's averaged over the layers.
+    DeepSeek-V4's layers: their exchange (`cp_ext.perf.compressed_layers.compressed_layer_bytes`) under "cp_ring".
 
     MLA: per-head K (d_qk + p) and V (d_v), or, where `cp_ext.transformer.mla` takes it (ring or
     all-gather, TP 1, smaller), the latent ``r + p`` per token (`comm.mla_exchange_bytes`)."""
     all_gather = comm_type == "all_gather"
     latent = mla_takes_latent(m, tp=g.tp, cp=g.cp, ulysses=1 if all_gather else g.ulysses, all_gather=all_gather)
-    if latent:
+    if m.compressed is not None:  # V4: the halo, straddling rows and entries (the busiest rank's), in "cp_ring"
+        per_kind = {kind: max(x["fwd"] + x["bwd"] for x in compressed_layer_bytes(
+            m.compressed, kind, s=s, cp=g.cp, d=m.v_head_dim, b=b, dtype=dtype)) for kind in KINDS}
+        sent = sum(per_kind[m.compressed.kind(i)] for i in range(m.layers)) / m.layers
+        cpb = {k: {"fwd": 0, "bwd": 0} for k in ("ulysses_a2a", "all_gather_kv", "reduce_scatter_dkv")}
+        cpb["ring_p2p"] = {"fwd": sent, "bwd": 0}
+    elif latent:
         cpb = comm.mla_exchange_bytes(b=b, h=m.heads, s_local=s // g.cp, qk_head_dim=m.qk_head_dim,
                                       qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
                                       kv_lora_rank=m.kv_lora_rank, cp=g.cp, dtype=dtype, exchange="latent",
@@ -164,6 +172,8 @@ def _invalid_reason(m, g, *, s, global_batch, micro_batch, gpus_per_node) -> Opt
     linear = any(m.is_linear_layer(i) for i in range(m.layers))
     if linear and (m.linear_key_heads % g.tp or m.linear_value_heads % g.tp):
         return f"TP {g.tp} does not divide the linear layers' {m.linear_key_heads} key / {m.linear_value_heads} value heads"
+    if m.compressed is not None and m.compressed.o_groups % g.tp:
+        return f"TP {g.tp} does not divide the {m.compressed.o_groups} output groups (--o-groups)"
     if g.tp > gpus_per_node:
         return f"TP {g.tp} spans nodes ({gpus_per_node} GPUs per node); TP stays inside NVLink"
     if m.vocab % g.tp:
@@ -187,8 +197,9 @@ def _fold(m: ModelShape, g: Grid, gpus_per_node: int) -> Grid:
     if m.experts:
         ep = max(e for e in divisors(m.experts) if (g.dp * g.cp * g.tp // etp) % e == 0)
     ulysses = max(u for u in divisors(g.cp) if (m.heads // g.tp) % u == 0 and g.tp * u <= gpus_per_node)
-    if any(m.is_linear_layer(i) for i in range(m.layers)):
-        ulysses = 1  # the linear layers pass their state on the ring: cp_ext runs such models without Ulysses
+    if any(m.is_linear_layer(i) for i in range(m.layers)) or m.compressed is not None:
+        # the linear layers pass their state on the ring; V4's layers exchange rows over the whole CP group
+        ulysses = 1
     return Grid(tp=g.tp, pp=g.pp, cp=g.cp, dp=g.dp, ep=ep, etp=etp, ulysses=ulysses)
 
 
@@ -210,6 +221,10 @@ def kv_arithmetic(m: ModelShape, s: int, mha: bool = True) -> str:
     """The KV cache of the softmax layers (linear-attention layers keep a state instead: `linear_arithmetic`)."""
     softmax = sum(1 for i in range(m.layers) if not m.is_linear_layer(i))
     kv = kv_state_bytes(m, s=s, dtype="bf16", mha=mha)["kv"]
+    if m.compressed is not None:
+        return (f"KV = {m.layers} layers x one K=V head of {m.v_head_dim} (and each CSA / HCA layer's entries, 1 / "
+                f"{m.compressed.csa_ratio} and 1 / {m.compressed.hca_ratio} of the tokens) x {s} tokens x 2 B = "
+                f"{kv:.0f} B = {kv / GiB:.1f} GiB")
     layers = f"{softmax} layers" if softmax == m.layers else f"{softmax} softmax layers"
     g = m.heads if mha else m.kv_heads
     if m.head_dim != m.v_dim:  # MLA: K of d_qk + p, V of d_v per head
@@ -238,4 +253,31 @@ def shape_from_fields(values: dict, preset: Optional[str] = None) -> ModelShape:
     vals["kv_heads"] = vals["kv_heads"] or vals["heads"]
     vals["experts"] = vals["experts"] or 0
     vals["topk"] = vals["topk"] or (base.topk if base else 1)
-    return ModelShape(**vals, tied_embeddings=base.tied_embeddings if base else True)
+    if base is not None:  # the preset's other fields (MLA, V4's layers, ...) stay
+        return replace(base, **vals)
+    return ModelShape(**vals)
+
+
+def compressed_kinds(m: ModelShape, g: Grid, *, s: int, b: int = 1, dtype: str = "bf16") -> List[dict]:
+    """DeepSeek-V4's layer kinds on grid ``g``: per kind its layers, attention parameters per layer, saved activations per
+    layer and rank (no recompute), the busiest rank's CP bytes per layer (forward + backward) and their ratio to a
+    dense all-gather of the K=V head's rows ((C - 1) s / C d, forward)."""
+    e = 4 if dtype == "fp32" else 2
+    tokens, rows = s * b / g.cp, []
+    dense = (g.cp - 1) * s // g.cp * m.v_head_dim * e * b
+    for kind in KINDS:
+        layers = [i for i in range(m.layers) if m.compressed.kind(i) == kind]
+        if not layers:
+            continue
+        i = layers[0]
+        x = layer_activation_elems(m, i, tp=g.tp, cp=g.cp, dtype=dtype, s=s)
+        sent = max(y["fwd"] + y["bwd"] for y in compressed_layer_bytes(m.compressed, kind, s=s, cp=g.cp,
+                                                                        d=m.v_head_dim, b=b, dtype=dtype))
+        fwd = max(y["fwd"] for y in compressed_layer_bytes(m.compressed, kind, s=s, cp=g.cp, d=m.v_head_dim, b=b,
+                                                           dtype=dtype))
+        attention = compressed_attention_params(m.compressed, kind, h=m.hidden, a=m.heads, d=m.v_head_dim,
+                                                q_rank=m.q_lora_rank)
+        rows.append(dict(kind=kind, layers=len(layers), params=attention,
+                         activations=tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]), cp_bytes=sent,
+                         vs_dense=fwd / dense if dense else 0.0))
+    return rows

@@ -1,9 +1,11 @@
-"""tools/bench_compressed_attention.py at toy size (CP2, 1024 tokens, V4's 512-wide K=V head, 4 query heads, top-16):
+"""tools/bench_compressed_attention.py at toy size (CP2, 1000 tokens, V4's 512-wide K=V head, 4 query heads, top-16):
 its command line (`cp_ext.bench.compressed_attention.main`) on forked ranks (`tests.launch.fork_workers` in place of
 torchrun), one launch: every variant is timed, and the bytes are the ones worked out here. A sliding layer sends
 each rank's window halo, 127 rows of 512 fp32 values (zigzag CP2: one chunk boundary per rank crosses ranks), and
 the positions' all-gather; its backward sends the halo rows' gradient back; the dense ring sends more than any V4
-layer. The script itself: its --help."""
+layer. Chunks of 250 tokens cut CSA's and HCA's blocks, so the straddling rows travel too: every rank's bytes, of
+every kind, forward and backward, are the planner's (`cp_ext.perf.compressed_layers.compressed_layer_bytes`). The
+script itself: its --help."""
 
 import contextlib
 import io
@@ -14,7 +16,7 @@ import pytest
 from cp_ext.bench import compressed_attention as B
 from tests.launch import REPO_ROOT, fork_workers, run_script
 
-C, S, D = 2, 1024, 512
+C, S, D = 2, 1000, 512
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,12 @@ def test_bytes_are_the_halo_the_entries_and_the_ring(bench):
     for rank in result["ranks"]:
         sliding = rank["bytes"]["sliding"]
         assert sliding == {"fwd": halo + positions, "bwd": halo}, sliding
-        for kind in ("csa", "hca"):  # the halo, the straddling rows (none here: chunks of 256) and the entries
+        for kind in ("csa", "hca"):  # the halo, the straddling rows and the entries
             assert rank["bytes"][kind]["fwd"] > sliding["fwd"]
             assert rank["bytes"][kind]["fwd"] < rank["bytes"]["dense"]["fwd"]
+    for kind in ("sliding", "csa", "hca"):
+        measured = [rank["bytes"][kind] for rank in result["ranks"]]
+        assert measured == result["summary"][kind]["modelled"], (kind, measured)
     dense_exchange = (C - 1) * (S // C) * D * 4
     assert result["summary"]["sliding"]["vs_exchange"] == pytest.approx((halo + positions) / dense_exchange)
 

@@ -1,7 +1,8 @@
 """`ModelShape.from_args` counts the parameters megatron-core builds, exactly, for every family of
 tests/families (MLA with and without q-LoRA, dense-first layers, shared experts, qk-norm,
 kv_channels != hidden / heads, biases, sinks, Qwen3.5's Gated DeltaNet layers and gates), for Kimi-Linear's Kimi Delta
-Attention hybrid (with and without q-LoRA) and for variants of the flags the scripts do not use
+Attention hybrid (with and without q-LoRA), for DeepSeek-V4 (sliding, CSA and HCA layers, hyper-connections, CSA's
+dense mode, no sinks) and for variants of the flags the scripts do not use
 (LayerNorm, a QKV-only bias, learned positions, an integer --moe-layer-freq): per layer and in total.
 All models are built in one process (one megatron import)."""
 
@@ -13,6 +14,8 @@ import pytest
 from cp_ext.arguments import parse_args
 from cp_ext.perf.model_shape import ModelShape, layer_params, mtp_layer_params, total_params
 from tests.families import FAMILIES, LINEAR_FAMILIES, tiny
+from tests.training.test_deepseek_v4_training import V4
+from tests.training.test_grid_equivalence import MODEL
 from tests.launch import one_rank_megatron, run_code
 
 VOCAB = 384  # what the trainer pads the byte tokenizer's 257 to (--make-vocab-size-divisible-by 128)
@@ -28,6 +31,20 @@ KIMI_LINEAR = [
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1,1,1]",
     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
     "--moe-shared-expert-intermediate-size", "16"]
+def _drop(flags, *names):
+    """``flags`` without the flags ``names`` and their values."""
+    out, skipping = [], False
+    for token in flags:
+        if token.startswith("--"):
+            skipping = token in names
+        if not skipping:
+            out.append(token)
+    return out
+
+
+# DeepSeek-V4: sliding, CSA, HCA, CSA layers with hyper-connections, hash MoE (tests/training's tiny V4); CSA in dense
+# mode without sinks; without hyper-connections
+DEEPSEEK_V4 = MODEL + V4
 CASES = {family: tiny(family) for family in FAMILIES + LINEAR_FAMILIES}
 CASES.update({
     "mixtral_layernorm_qkv_bias": tiny("mixtral_8x7b", "--normalization", "LayerNorm", "--add-qkv-bias"),
@@ -43,6 +60,12 @@ CASES.update({
     "kimi_linear": KIMI_LINEAR,
     "kimi_linear_q_lora_wide_values": KIMI_LINEAR + ["--q-lora-rank", "12", "--linear-value-head-dim", "12",
                                                      "--linear-attention-freq", "[0,1,1,1]", "--moe-layer-freq", "1"],
+    "deepseek_v4": DEEPSEEK_V4,
+    "deepseek_v4_dense_csa_no_sink_shared_expert": _drop(DEEPSEEK_V4, "--dsa-indexer-n-heads", "--dsa-indexer-head-dim",
+                                                         "--dsa-indexer-topk")
+    + ["--csa-dense-mode", "--csa-no-attention-sink", "--moe-shared-expert-intermediate-size", "24"],
+    "deepseek_v4_no_hyper_connections": _drop(DEEPSEEK_V4, "--enable-hyper-connections", "--num-residual-streams",
+                                              "--mhc-sinkhorn-iterations"),
 })
 
 

@@ -142,7 +142,9 @@ def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, r
         for c in comps:
             formed.append(form_entries(table, table_index, mine, plan.doc_start.to(device)[mine], c, column))
             column += c.row_width
-        gathered, entry_positions = gather_entries(torch.cat(formed, dim=-1), owned, rank, group)
+        # the entries travel in the activations' dtype (bf16 training: half the bytes of the fp32 they are formed in)
+        gathered, entry_positions = gather_entries(torch.cat(formed, dim=-1).to(rows.dtype), owned, rank, group)
+        gathered = gathered.to(acc)
         entries = gathered[:, :compressor.width]
         entry_docs = key_doc[entry_positions]
         if indexer is not None:
