@@ -1,5 +1,8 @@
 """Manifold-constrained hyper-connections (DeepSeek-V4's mHC), Megatron-LM's flags (`cp_ext.transformer.hyper_connections`).
 
+Megatron-LM main spells them ``--enable-mhc-connections`` and ``--mhc-num-residual-streams``; its DeepSeek-V4 branch
+``--enable-hyper-connections`` and ``--num-residual-streams``. Both are taken.
+
 ``--enable-hyper-connections`` keeps ``--num-residual-streams`` residual streams per token (V4: 4) instead of one,
 mixed around every attention and MLP block by a doubly stochastic matrix from ``--mhc-sinkhorn-iterations``
 Sinkhorn normalizations (V4: 20).
@@ -9,10 +12,14 @@ from cp_ext.flag_types import POSITIVE
 
 
 def add_hyper_connection_args(g):
-    g.add_argument("--enable-hyper-connections", action="store_true",
+    # Megatron-LM main's names (TransformerConfig.enable_mhc_connections, mhc_num_residual_streams) and the DeepSeek-V4
+    # branch's (enable_hyper_connections, num_residual_streams): one flag each, either spelling
+    g.add_argument("--enable-hyper-connections", "--enable-mhc-connections", dest="enable_hyper_connections",
+                   action="store_true",
                    help="manifold-constrained hyper-connections (DeepSeek-V4): --num-residual-streams streams per "
                         "token, mixed around every block")
-    g.add_argument("--num-residual-streams", type=POSITIVE, default=4,
+    g.add_argument("--num-residual-streams", "--mhc-num-residual-streams", dest="num_residual_streams",
+                   type=POSITIVE, default=4,
                    help="with --enable-hyper-connections: residual streams per token (default 4)")
     g.add_argument("--mhc-sinkhorn-iterations", type=POSITIVE, default=20,
                    help="with --enable-hyper-connections: Sinkhorn normalizations of the stream mixing (default 20, "

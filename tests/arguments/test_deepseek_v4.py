@@ -228,3 +228,14 @@ def test_checkpoint_without_the_hash_table_is_refused(tmp_path, crafted_checkpoi
     assert "the checkpoint is of another model" in message
     assert "--moe-n-hash-layers 1 (checkpoint: 0)" in message and "--csa-window-size 8 (checkpoint: 16)" in message
     assert "--csa-compress-ratios" not in message  # the same layers: not named
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("enable, streams", [("--enable-hyper-connections", "--num-residual-streams"),
+                                             ("--enable-mhc-connections", "--mhc-num-residual-streams")])
+def test_hyper_connection_flags_in_either_megatron_spelling(enable, streams):
+    """Megatron-LM main's --enable-mhc-connections / --mhc-num-residual-streams and the DeepSeek-V4 branch's
+    --enable-hyper-connections / --num-residual-streams set the same fields."""
+    cfg = _config(V4 + [enable, streams, "2", "--mhc-sinkhorn-iterations", "7"])
+    assert (cfg.enable_hyper_connections, cfg.num_residual_streams, cfg.mhc_sinkhorn_iterations) == (True, 2, 7)
+    assert not _config(V4).enable_hyper_connections
