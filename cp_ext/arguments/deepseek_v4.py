@@ -5,7 +5,8 @@ V4's: one K=V head of ``--v-head-dim`` (V4: 512), its last ``--qk-pos-emb-head-d
 q-LoRA (``--q-lora-rank``, with ``--qk-layernorm``), a per-head sink logit (``--csa-no-attention-sink`` drops
 it) and a grouped output projection (``--o-groups`` groups of heads, each to ``--o-lora-rank``). Each layer
 reads the raw tokens of a sliding window of ``--csa-window-size`` and, by ``--csa-compress-ratios`` (one
-value per layer, a list expression such as ``([0,0]+[4,128]*20+[4,0])``):
+value per layer, then one per MTP layer as Megatron-LM's V4 scripts pass them, a list expression such as
+DeepSeek-V4-Flash's ``([0,0]+[4,128]*20+[4,0])``: 43 layers and the MTP layer):
 
 * 0: the window alone (a sliding layer, RoPE base ``--rotary-base``);
 * ``--csa-compress-ratio-for-c`` (4): compressed sparse attention (CSA): one entry per 4 tokens, overlapping,
@@ -41,9 +42,9 @@ def compress_ratios_type(text):
 
 def add_deepseek_v4_args(g):
     g.add_argument("--csa-compress-ratios", type=compress_ratios_type, default=None,
-                   help="dsv4_hybrid: each layer's compress ratio, a list expression (0: sliding window only; "
-                        "--csa-compress-ratio-for-c: CSA; --csa-compress-ratio-for-h: HCA), e.g. "
-                        "([0,0]+[4,128]*20+[4,0]) for DeepSeek-V4-Flash")
+                   help="dsv4_hybrid: each layer's compress ratio, then each MTP layer's, a list expression (0: "
+                        "sliding window only; --csa-compress-ratio-for-c: CSA; --csa-compress-ratio-for-h: HCA), "
+                        "e.g. ([0,0]+[4,128]*20+[4,0]) for DeepSeek-V4-Flash with --mtp-num-layers 1")
     g.add_argument("--csa-window-size", type=POSITIVE, default=128,
                    help="dsv4_hybrid: the sliding window every layer reads, in tokens (default 128)")
     g.add_argument("--csa-compress-ratio-for-c", type=POSITIVE, default=4,
@@ -106,9 +107,14 @@ def deepseek_v4_problems(args):
                  f"{args.csa_compress_ratio_for_c} CSA, {args.csa_compress_ratio_for_h} HCA), e.g. "
                  f"([0,0]+[4,128]*20+[4,0])")
         return p
-    if len(ratios) != args.num_layers:
+    layers = args.num_layers + (args.mtp_num_layers or 0)  # Megatron-LM's V4 scripts: the MTP layers' after
+    if len(ratios) != layers and not args.mtp_num_layers:
         p.append(f"--csa-compress-ratios lists {len(ratios)} layers but --num-layers is {args.num_layers}; give one "
                  f"ratio per layer")
+    elif len(ratios) != layers:
+        p.append(f"--csa-compress-ratios lists {len(ratios)} layers but --num-layers {args.num_layers} and "
+                 f"--mtp-num-layers {args.mtp_num_layers} make {layers}; give one ratio per layer, the MTP layers' "
+                 f"last (DeepSeek-V4-Flash: ([0,0]+[4,128]*20+[4,0]))")
     bad = sorted({r for r, kind in zip(ratios, layer_kinds(args)) if kind is None})
     if bad:
         p.append(f"--csa-compress-ratios holds {bad}, which mark no layer kind: use 0 (sliding), "
@@ -155,8 +161,7 @@ def _unsupported(args, variant):
            (args.dsa_dense_warmup, "--dsa-dense-warmup"),
            (args.window_size is not None, "--window-size (V4's window is --csa-window-size)"),
            (args.softmax_type != "vanilla", f"--softmax-type {args.softmax_type} (V4's sink is on by default; "
-                                            f"--csa-no-attention-sink drops it)"),
-           (args.mtp_num_layers, "--mtp-num-layers")]
+                                            f"--csa-no-attention-sink drops it)")]
     for on, flag in off:
         if on:
             p.append(f"{flag} is not supported with {variant} yet; drop it")

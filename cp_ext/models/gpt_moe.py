@@ -26,10 +26,12 @@ the activation. cp_ext then fills the seats it owns, in every layer spec:
                          (Kimi-Linear, `cp_ext.transformer.kimi_delta_attention`), in a copy of that layer's spec
     (--enable-hyper-connections: each layer cp_ext HyperConnectionTransformerLayer, megatron's layer with the mHC
                             stream mixings in place of its residual adds: `cp_ext.transformer.hyper_connections`)
-    final_layernorm      -> cp_ext SequenceParallelNorm
+    final_layernorm      -> cp_ext SequenceParallelNorm (with hyper-connections and MTP: StreamsFinalNorm, applied
+                            after the MTP layers have read the streams)
     mtp.layers (--mtp-num-layers) -> cp_ext ContextParallelMTPLayer (megatron's, its shifts across CP
                             shards), its norms SequenceParallelNorm, its layer the last one's seats
-                            (`cp_ext.models.mtp`)
+                            (`cp_ext.models.mtp`); with hyper-connections HyperConnectionMTPLayer (DeepSeek-V4's:
+                            per stream, its own head); V4's MTP layers of the kinds --csa-compress-ratios gives them
 
 `ContextParallelGPTModel` is megatron's GPTModel whose RoPE (rope or YaRN, with every option
 megatron built it with) returns the rows at this CP rank's global positions, or at the batch's
@@ -66,7 +68,7 @@ from cp_ext.models.mtp import get_mtp_block_spec, postprocess_with_mtp
 from cp_ext.transformer.rope import RotaryAtContextParallelPositions
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.compressed_attention import CompressedAttention
-from cp_ext.transformer.hyper_connections import HyperConnectionTransformerLayer
+from cp_ext.transformer.hyper_connections import HyperConnectionTransformerLayer, StreamsFinalNorm
 from cp_ext.transformer.router import DeepSeekV4Router
 from cp_ext.transformer.dsa import dsa_core_attention_spec
 from cp_ext.transformer.dynamic_cp import DynamicCPParams, DynamicRouting
@@ -122,6 +124,8 @@ def get_decoder_block_spec(config: TransformerConfig, linear_layers: bool = True
         block.layer_specs = with_compressed_attention(block.layer_specs, config)
     if getattr(config, "enable_hyper_connections", False):
         block.layer_specs = [_with_module(spec, HyperConnectionTransformerLayer) for spec in block.layer_specs]
+        if config.mtp_num_layers:  # the streams go on to MTP; the model collapses and norms them after it
+            block.layer_norm = StreamsFinalNorm
     return block
 
 

@@ -37,19 +37,24 @@ Under PP megatron builds every MTP layer on the last stage, with a copy of the e
 hands that stage the tokens too (`Trainer.reads_tokens`).
 """
 
+import copy
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
 from megatron.core.utils import make_viewless_tensor
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
 from cp_ext.token_partition import context_parallel_positions
+from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.dynamic_cp import dynamic_params
+from cp_ext.transformer.hyper_connections import HyperHead, StreamsFinalNorm, collapse
 from cp_ext.transformer.norms import SequenceParallelNorm
 
 
@@ -175,20 +180,49 @@ class ContextParallelMTPLayer(MultiTokenPredictionLayer):
         return input_ids, position_ids, padding_mask, decoder_input, hidden_states
 
 
+class HyperConnectionMTPLayer(ContextParallelMTPLayer):
+    """DeepSeek-V4's MTP layer under hyper-connections: it reads the previous depth's streams (token-major
+    [s * n, b, h]) and, per stream, ``eh_proj([enorm(e); hnorm(x_k)])`` (DeepSeek's ``e_proj(e) + h_proj(x_k)``, the
+    two halves of megatron's eh_proj), runs its V4 layer on the streams and hands them on; the model collapses them
+    with this layer's ``hc_head`` and final norm for its loss (`cp_ext.transformer.hyper_connections.collapse`)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.hc_head = HyperHead(config)
+
+    def _get_embeddings(self, *args, **kwargs):
+        out = super()._get_embeddings(*args, **kwargs)
+        n = self.config.num_residual_streams
+        decoder_input = out[-2]  # the next tokens' embedding [s, b, h], the same for every stream
+        streams = decoder_input.unsqueeze(1).expand(-1, n, -1, -1).flatten(0, 1)
+        return (*out[:-2], streams, out[-1])
+
+
 def get_mtp_block_spec(config, decoder_block, fill_seats):
     """megatron's MTP block spec (its layer: the decoder's last layer spec) with cp_ext's seats:
     the layer above, SP-capable norms for enorm / hnorm / the final norm, cp_ext's attention in
     the transformer layer (`fill_seats`, as in the decoder). None without --mtp-num-layers, and on
-    every pipeline stage but the last (megatron builds all MTP layers there)."""
+    every pipeline stage but the last (megatron builds all MTP layers there). With hyper-connections, DeepSeek-V4's
+    layer (`HyperConnectionMTPLayer`); V4's attention of the kind --csa-compress-ratios gives the MTP layer (its
+    entries after the decoder's, as Megatron-LM's V4 scripts pass them)."""
     if not config.mtp_num_layers:
         return None
     block = get_gpt_mtp_block_spec(config, decoder_block, use_transformer_engine=False)
     if block is None:
         return None
+    streams = getattr(config, "enable_hyper_connections", False)
     for layer in {id(spec): spec for spec in block.layer_specs}.values():
-        layer.module = ContextParallelMTPLayer
-        layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = SequenceParallelNorm
-        fill_seats(getattr(layer.submodules, MTP_INNER_LAYER_FIELD), config)
+        layer.module = HyperConnectionMTPLayer if streams else ContextParallelMTPLayer
+        layer.submodules.enorm = layer.submodules.hnorm = SequenceParallelNorm
+        layer.submodules.layer_norm = StreamsFinalNorm if streams else SequenceParallelNorm
+        inner = getattr(layer.submodules, MTP_INNER_LAYER_FIELD)
+        if getattr(config, "dsv4_layer_kinds", None):  # the decoder's seats, the attention of the MTP layer's kind
+            inner.submodules = copy.copy(inner.submodules)
+            # (causal, as megatron's MTP layer checks its attention's mask type)
+            inner.submodules.self_attention = ModuleSpec(module=CompressedAttention,
+                                                         params={"attn_mask_type": AttnMaskType.causal})
+        else:
+            fill_seats(inner, config)
     return block
 
 
@@ -239,11 +273,19 @@ def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, label
             **({"padding_mask": padding_mask} if padding_mask is not None else {}))
     if not model.post_process:
         return hidden_states
+    streams = getattr(model.config, "enable_hyper_connections", False)
+    # hyper-connections: the decoder's and each MTP layer's streams, collapsed by their own head and final norm
+    main = (lambda x: collapse(x, model.decoder.layers[-1].hc_head, model.decoder.final_layernorm)) if streams \
+        else (lambda x: x)
     if labels is None:
-        logits, _ = model.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        logits, _ = model.output_layer(main(hidden_states), weight=output_weight,
+                                       runtime_gather_output=runtime_gather_output)
         return logits.transpose(0, 1).contiguous()
     assert model.config.calculate_per_token_loss, "cp_ext sums the loss per token (cp_ext.config)"
-    chunks = torch.chunk(hidden_states, 1 + depths, dim=0)
+    chunks = list(torch.chunk(hidden_states, 1 + depths, dim=0))
+    if streams:
+        chunks = [main(chunks[0])] + [collapse(x, layer.hc_head, layer.final_layernorm)
+                                      for x, layer in zip(chunks[1:], model.mtp.layers)]
     hidden_states = chunks[0]
     layout = getattr(model.config, "cp_layout", "zigzag")
     mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask

@@ -113,7 +113,7 @@ def attention_elems(m: ModelShape, i: int, *, tp: int, sp: int, cp: int, latent:
         act += (a + 2 * g) * d + a * d + g * d + 4 * d
         if m.qk_layernorm:  # q: an fp32 copy and the normalized; k: the normalized (+ the fp32 copy in bf16)
             fp32 += 2 * a * d + g * d + (g * d if upcast else 0) + a + g
-        copy = cp > 1 or m.is_window_layer(i)
+        copy = cp > 1 or m.is_window_layer(min(i, m.layers - 1))
     act += a * dv + (a * dv if copy else 0)  # core output, linear_proj's [s, b, h] copy
     return {"act": act, "fp32": fp32, "copy": a * dv if copy else 0.0, "restored": restored}
 
@@ -131,7 +131,7 @@ def layer_activation_elems(m: ModelShape, i: int = 0, *, tp: int = 1, cp: int = 
                                 upcast=e != 4)
     # a norm: its input and the normalized tensor in fp32 (+ rstd), its output (the next linear's input)
     norm, norm_fp32 = h / sp, (2 * h + 1) / sp
-    if m.is_moe_layer(i):
+    if m.is_moe_layer(min(i, m.layers - 1)):  # an MTP layer (i >= layers) is built like the last layer
         fe = m.expert_ffn
         mlp = m.topk * (h + mlp_elems(m, fe) + fe) / tp
         if m.shared_expert_ffn:  # overlapped with the dispatch, one intermediate fewer is saved (measured)

@@ -141,8 +141,16 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
                                   up_proj_recompute=up_proj, s=s) for i in range(stage_layers)]
     layer_bytes = [tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"]) for x in per]
     vocab_part = tokens * outside_layers_bytes(m, e=e, tp=tp, sp=sp)
-    # MTP layers (pp = 1: on this stage): one more layer like the last and its own logits each
-    mtp = m.mtp_layers * (layer_bytes[-1] + vocab_part) if pp == 1 else 0.0
+    # MTP layers (pp = 1: on this stage): one more layer like the last (V4: of its own kind) and its own logits each,
+    # and their enorm / hnorm and eh_proj's input (per stream with mHC)
+    mtp = 0.0
+    if pp == 1:
+        rows = max(1, m.residual_streams)
+        mtp_norms = rows * (2 * (2 * m.hidden + 1) * 4 + 2 * m.hidden * e) / sp
+        for depth in range(m.mtp_layers):
+            x = layer_activation_elems(m, m.layers + depth, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                                       latent=latent, dtype=dtype, up_proj_recompute=up_proj, s=s)
+            mtp += tokens * (x["act"] * e + x["fp32"] * 4 + x["bytes"] + mtp_norms) + vocab_part
     # saved after the last layer's attention call: freed before the backward reaches that attention
     last = per[-1]
     post_attention = tokens * (last["post_act"] * e + last["post_fp32"] * 4 + last["post_bytes"])
@@ -165,6 +173,13 @@ def activation_bytes(m: ModelShape, *, s: int, b: int = 1, tp: int = 1, cp: int 
     cp_aware = recompute == "full_cp_aware" and m.compressed is None
     kept = tokens * (m.heads * m.v_dim * e + m.heads * 4) / tp if cp_aware else 0.0
     held = (stage_layers + (m.mtp_layers if pp == 1 else 0)) * in_flight * (layer_input + kept)
+    if m.residual_streams and m.mtp_layers and pp == 1:
+        # mHC with MTP (measured): each MTP layer's collapse outside its checkpoint (the streams' fp32 norm and gates)
+        # and its output streams stay while the decoder's layers are recomputed, and its checkpoint also keeps the
+        # next tokens' embedding
+        n, h = m.residual_streams, m.hidden
+        collapse = ((2 if e != 4 else 1) * n * h + 1 + n) * 4
+        held += tokens * in_flight * m.mtp_layers * (collapse + n * h * e + h * e) / sp
     recomputed = max(layer_bytes) - layer_input - kept
     last_recomputed = layer_bytes[-1] - layer_input - kept
     # the transient peaks in the recomputed layer's attention backward, on top of its pre-attention part
@@ -209,9 +224,9 @@ def stage_params(m: ModelShape, pp: int, stage: int) -> Dict[str, float]:
         dense += emb + m.learned_positions * m.hidden
     if stage == pp - 1:
         dense += (0 if m.tied_embeddings and pp == 1 else emb) + m.hidden
-        mtp = mtp_layer_params(m)
-        dense += mtp_weight_layers(m) * mtp["dense"]
-        expert += mtp_weight_layers(m) * mtp["expert"]
+        for depth in range(mtp_weight_layers(m)):
+            mtp = mtp_layer_params(m, depth)
+            dense, expert = dense + mtp["dense"], expert + mtp["expert"]
     return {"dense": dense, "expert": expert}
 
 

@@ -223,13 +223,15 @@ PRESETS: Dict[str, ModelShape] = {
     "mixtral-8x7b": ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, experts=8,
                                topk=2, tied_embeddings=False),
     "cpu-tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=384),
-    # docs/families/deepseek_v4.md's command (tests/perf/test_parallelism_planner.py holds them equal): 284 B
+    # docs/families/deepseek_v4.md's command (tests/perf/test_compressed_layers.py holds them equal): 284 B and the
+    # MTP layer
     "deepseek-v4-flash": ModelShape(
         layers=43, hidden=4096, heads=64, kv_heads=64, ffn=16384, vocab=129280, experts=256, topk=6, moe_ffn=2048,
         tied_embeddings=False, qk_layernorm=True, shared_expert_ffn=2048, multi_latent_attention=True,
         q_lora_rank=1024, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=512,
         moe_router_score_function="sqrtsoftplus", moe_aux_loss=False, moe_router_fp32=True,
-        compressed=CompressedLayers(ratios=(0, 0) + (4, 128) * 20 + (4,)), residual_streams=4, hash_layers=3),
+        compressed=CompressedLayers(ratios=(0, 0) + (4, 128) * 20 + (4, 0)), residual_streams=4, hash_layers=3,
+        mtp_layers=1),
 }
 
 
@@ -279,15 +281,15 @@ def layer_params(m: ModelShape, i: int, softmax_attention: bool = False) -> Dict
     """Parameters of layer i: attention, norms, dense MLP, router and shared experts ('dense',
     sharded by TP) and the routed experts ('expert', sharded by EP x ETP). ``softmax_attention``: the
     layer's kind with softmax attention even where the pattern makes it linear (the MTP layer's)."""
-    linear = m.is_linear_layer(i) and not softmax_attention
+    linear = not softmax_attention and m.is_linear_layer(i)
     if m.compressed is not None:
         attention = compressed_attention_params(m.compressed, m.compressed.kind(i), h=m.hidden, a=m.heads,
                                                 d=m.v_head_dim, q_rank=m.q_lora_rank)
     else:
         attention = linear_attention_params(m) if linear else attention_params(m)
-    dense = (attention + 2 * m.hidden * (2 if m.layernorm else 1)
-             + hyper_connection_params(m.residual_streams, m.hidden, last=i == m.layers - 1))
-    if not m.is_moe_layer(i):
+    dense = (attention + 2 * m.hidden * (2 if m.layernorm else 1)  # (an MTP layer, i >= layers, has a stream head)
+             + hyper_connection_params(m.residual_streams, m.hidden, last=i >= m.layers - 1))
+    if not m.is_moe_layer(min(i, m.layers - 1)):  # an MTP layer's MLP is the last layer's
         return {"dense": dense + _mlp_params(m, m.ffn), "expert": 0}
     router = m.hidden * m.experts + (m.experts if m.add_bias_linear else 0)
     shared = (_mlp_params(m, m.shared_expert_ffn) + (m.hidden if m.shared_expert_gate else 0)
@@ -295,9 +297,10 @@ def layer_params(m: ModelShape, i: int, softmax_attention: bool = False) -> Dict
     return {"dense": dense + router + shared, "expert": m.experts * _mlp_params(m, m.expert_ffn)}
 
 
-def mtp_layer_params(m: ModelShape) -> Dict[str, int]:
-    """One MTP layer: enorm, hnorm, eh_proj, a layer like the last decoder layer, its final norm."""
-    per = layer_params(m, m.layers - 1, softmax_attention=True)
+def mtp_layer_params(m: ModelShape, depth: int = 0) -> Dict[str, int]:
+    """One MTP layer: enorm, hnorm, eh_proj, a layer like the last decoder layer, its final norm (DeepSeek-V4: its
+    attention of the kind --csa-compress-ratios gives it after the decoder's, and its own stream head)."""
+    per = layer_params(m, m.layers + depth, softmax_attention=True)
     norm = 2 if m.layernorm else 1
     return {"dense": per["dense"] + 3 * norm * m.hidden + 2 * m.hidden * m.hidden, "expert": per["expert"]}
 
@@ -321,7 +324,8 @@ def outside_layers_params(m: ModelShape) -> int:
 
 def total_params(m: ModelShape) -> int:
     layers = sum(sum(layer_params(m, i).values()) for i in range(m.layers))
-    return layers + mtp_weight_layers(m) * sum(mtp_layer_params(m).values()) + outside_layers_params(m)
+    mtp = sum(sum(mtp_layer_params(m, depth).values()) for depth in range(mtp_weight_layers(m)))
+    return layers + mtp + outside_layers_params(m)
 
 
 def describe(m: ModelShape) -> str:

@@ -11,6 +11,8 @@ fp32) and makes three mixings::
 
 (``iterations`` Sinkhorn normalizations, columns first). The first layer copies the embedding into every stream;
 after the last layer a `HyperHead` collapses them (``sum_j pre_j x_j`` with its own weights) before the final norm.
+With MTP the streams go on to the MTP layers (each reads them per stream and ends in its own head and norm), and
+the model collapses the decoder's streams after them (`StreamsFinalNorm`, `collapse`).
 This is transformers' ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` / ``DeepseekV4DecoderLayer``.
 
 Everything is per token, so context parallelism needs nothing: each rank mixes its own tokens' streams. Between
@@ -85,6 +87,39 @@ class HyperConnection(_Mixing):
         return post, comb, collapsed
 
 
+def collapse(streams: torch.Tensor, head: "HyperHead", norm) -> torch.Tensor:
+    """Token-major streams [s * n, b, hidden] -> ``norm(head(streams))`` [s, b, hidden]: the model's output (or an
+    MTP layer's) where the streams went on past the last layer (`StreamsFinalNorm`)."""
+    streams = streams.unflatten(0, (-1, head.streams)).transpose(1, 2)  # [s, b, n, hidden]
+    return norm.normalize(head(streams))
+
+
+class StreamsFinalNorm(torch.nn.Module):
+    """The final norm's seat (the decoder's, an MTP layer's) under hyper-connections with MTP: its parameters, by
+    the usual names, but ``forward`` hands the streams on unchanged, because the MTP layers read the streams before
+    the head collapses them (DeepSeek-V4's MTP: ``h_proj(hnorm(x))`` per stream); `normalize` is the norm, which
+    `collapse` applies after the head. RMSNorm or LayerNorm (``config.normalization``), as `SequenceParallelNorm`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.layernorm, self.eps, self.hidden_size = config.normalization == "LayerNorm", eps, hidden_size
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        self.weight = torch.nn.Parameter(torch.full((hidden_size,), 0.0 if self.zero_centered else 1.0,
+                                                    dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)) if self.layernorm else None
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return streams
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        if self.layernorm:
+            return torch.nn.functional.layer_norm(x, (self.hidden_size,), weight, self.bias, self.eps)
+        return torch.nn.functional.rms_norm(x, (self.hidden_size,), weight, self.eps)
+
+
 def mix_back(streams, block_output, post, comb):
     """x'_k = post_k * output + sum_j comb_jk x_j (in the streams' dtype)."""
     dtype = streams.dtype
@@ -116,6 +151,8 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.is_first = self.layer_number == 1
         self.is_last = self.layer_number == config.num_layers
         self.hc_head = HyperHead(config) if self.is_last else None
+        # with MTP the streams go on to the MTP layers: the model collapses them with this head afterwards
+        self.collapses = self.is_last and not config.mtp_num_layers
 
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
@@ -136,6 +173,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         mlp_input = self.pre_mlp_layernorm(collapsed)
         mlp, bias = self.mlp(mlp_input) if padding_mask is None else self.mlp(mlp_input, padding_mask=padding_mask)
         streams = mix_back(streams, mlp if bias is None else mlp + bias, post, comb)
-        if self.is_last:
+        if self.collapses:
             return self.hc_head(streams), context
         return streams.transpose(1, 2).flatten(0, 1), context

