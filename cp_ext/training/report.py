@@ -46,9 +46,11 @@ def attention_kernel_line(config, device):
 
 def _deepseek_v4_line(config):
     """DeepSeek-V4's layers: their kinds, the window, and what crosses CP ranks (`cp_ext.attention.compressed`)."""
-    kinds = config.dsv4_layer_kinds
+    kinds, mtp = config.dsv4_layer_kinds[:config.num_layers], config.dsv4_layer_kinds[config.num_layers:]
     counts = ", ".join(f"{kinds.count(k)} {name}" for k, name in (("sliding", "sliding"), ("csa", "CSA"),
                                                                   ("hca", "HCA")) if k in kinds)
+    if mtp:
+        counts += f"; MTP: {', '.join(mtp)}"
     csa = ("every complete entry (dense mode)" if config.csa_dense_mode else
            f"its top-{config.dsa_indexer_topk} entries by a {config.dsa_indexer_n_heads}-head indexer")
     cp = ("" if config.context_parallel_size == 1 else

@@ -247,3 +247,14 @@ def test_mtp_layers_take_the_ratios_after_the_decoders():
     """Megatron-LM's V4 scripts: --csa-compress-ratios lists the decoder's layers, then the MTP layers'."""
     cfg = _config(_set("--csa-compress-ratios", "[0,4,8,4,0]") + ["--mtp-num-layers", "1"])
     assert cfg.dsv4_layer_kinds == ["sliding", "csa", "hca", "csa", "sliding"] and cfg.mtp_num_layers == 1
+
+
+@pytest.mark.quick
+def test_startup_line_names_the_kinds():
+    import torch
+
+    from cp_ext.training.report import attention_kernel_line
+
+    line = attention_kernel_line(_config(_set("--csa-compress-ratios", "[0,4,8,4,0]") + ["--mtp-num-layers", "1"]),
+                                 torch.device("cpu"))
+    assert "1 sliding, 2 CSA, 1 HCA; MTP: sliding" in line and "window 8" in line, line
