@@ -34,9 +34,10 @@ KINDS = ("sliding", "csa", "hca")
 
 @dataclass(frozen=True)
 class CompressedLayers:
-    """DeepSeek-V4's attention (``--csa-*``, ``--o-*``, the indexer's ``--dsa-indexer-*``) and its mHC streams."""
+    """DeepSeek-V4's attention layers (``--csa-*``, ``--o-*``, the indexer's ``--dsa-indexer-*``)."""
 
-    ratios: Tuple[int, ...]  # per decoder layer: 0 sliding, csa_ratio, hca_ratio (--csa-compress-ratios)
+    # per decoder layer, then per MTP layer: 0 sliding, csa_ratio, hca_ratio (--csa-compress-ratios)
+    ratios: Tuple[int, ...]
     csa_ratio: int = 4
     hca_ratio: int = 128
     window: int = 128
