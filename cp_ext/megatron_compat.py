@@ -34,6 +34,9 @@ row   what changed in megatron-core                since    cp_ext              
 --    param groups matched on load by their        0.19     the checkpoint's values put back       tests/checkpoint/test_safety.py
       schedule values too (``max_lr``, ...)                 after the match (checkpoint.           (a resume with a new --lr)
                                                             state)
+11    an MTP layer's inner transformer layer       0.19     `model_layer_number`                   tests/training/
+      numbers itself from 1 (``is_mtp_layer``),                                                    test_deepseek_v4_training.py (its
+      not after the decoder's layers                                                               MTP layer's kind, router, streams)
 --    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py
       ``--mtp-use-repeated-layer``                          (refused at parse time before 0.17)
 ====  ===========================================  =======  =====================================  ==========================================
@@ -159,6 +162,14 @@ def spec_parts(spec):
 MTP_INNER_LAYER_FIELD = next(name for name in ("mtp_model_layer", "transformer_layer")
                              if name in multi_token_prediction.MultiTokenPredictionLayerSubmodules.__dataclass_fields__)
 """The MTP layer spec's field holding its transformer layer: ``transformer_layer`` (0.16), ``mtp_model_layer`` (0.17)."""
+
+def model_layer_number(layer) -> int:
+    """A transformer layer's number in the whole model, MTP layers after the decoder's (0.16: its ``layer_number``;
+    0.19 numbers an MTP layer's inner layer from 1 and marks it ``is_mtp_layer``)."""
+    if getattr(layer, "is_mtp_layer", False):  # 0.19
+        return layer.config.num_layers + layer.layer_number
+    return layer.layer_number
+
 
 MTP_EMBEDDINGS_CARRY_PADDING_MASK = "padding_mask" in inspect.signature(
     multi_token_prediction.MultiTokenPredictionLayer._get_embeddings).parameters

@@ -46,16 +46,18 @@ from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
 from megatron.core.utils import make_viewless_tensor
 
 from cp_ext import parallel_state as cp_state
-from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD
+from cp_ext.megatron_compat import MTP_EMBEDDINGS_CARRY_PADDING_MASK, MTP_INNER_LAYER_FIELD, model_layer_number
 from cp_ext.token_partition import context_parallel_positions
 from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.dynamic_cp import dynamic_params
 from cp_ext.transformer.hyper_connections import HyperHead, StreamsFinalNorm, collapse
 from cp_ext.transformer.norms import SequenceParallelNorm
+from cp_ext.transformer.router import DeepSeekV4Router
 
 
 # ---------------------------------------------------------------- the roll across CP shards
@@ -159,7 +161,16 @@ def megatron_roll_error(tensor: torch.Tensor, layout: str, dim: int = -1) -> int
 # ---------------------------------------------------------------- the MTP layer and its spec
 
 class ContextParallelMTPLayer(MultiTokenPredictionLayer):
-    """megatron's MTP layer whose shift of the input and position ids crosses cp_ext's CP shards."""
+    """megatron's MTP layer whose shift of the input and position ids crosses cp_ext's CP shards. DeepSeek-V4's
+    routers in it are numbered after the decoder's layers on every megatron-core (0.19 numbers the MTP layer's own
+    layer from 1), so that hash routing (the first --moe-n-hash-layers layers) never takes an MTP layer."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        for module in self.modules():
+            router = getattr(getattr(module, "mlp", None), "router", None)
+            if isinstance(module, TransformerLayer) and isinstance(router, DeepSeekV4Router):
+                router.set_layer_number(model_layer_number(module))
 
     def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None,
                         padding_mask=None):
@@ -211,19 +222,29 @@ def get_mtp_block_spec(config, decoder_block, fill_seats):
     if block is None:
         return None
     streams = getattr(config, "enable_hyper_connections", False)
+    kinds = getattr(config, "dsv4_layer_kinds", None)
+    if kinds:  # one spec per depth: each MTP layer's attention of its own kind
+        block.layer_specs = [_with_inner_attention(spec, kinds[config.num_layers + depth])
+                             for depth, spec in enumerate(block.layer_specs)]
     for layer in {id(spec): spec for spec in block.layer_specs}.values():
         layer.module = HyperConnectionMTPLayer if streams else ContextParallelMTPLayer
         layer.submodules.enorm = layer.submodules.hnorm = SequenceParallelNorm
         layer.submodules.layer_norm = StreamsFinalNorm if streams else SequenceParallelNorm
-        inner = getattr(layer.submodules, MTP_INNER_LAYER_FIELD)
-        if getattr(config, "dsv4_layer_kinds", None):  # the decoder's seats, the attention of the MTP layer's kind
-            inner.submodules = copy.copy(inner.submodules)
-            # (causal, as megatron's MTP layer checks its attention's mask type)
-            inner.submodules.self_attention = ModuleSpec(module=CompressedAttention,
-                                                         params={"attn_mask_type": AttnMaskType.causal})
-        else:
-            fill_seats(inner, config)
+        if not kinds:  # (V4's inner layers keep the decoder's seats, filled already)
+            fill_seats(getattr(layer.submodules, MTP_INNER_LAYER_FIELD), config)
     return block
+
+
+def _with_inner_attention(spec, kind):
+    """A copy of an MTP layer spec whose transformer layer has DeepSeek-V4's attention of ``kind`` (its mask causal,
+    as megatron's MTP layer checks)."""
+    spec, inner = copy.copy(spec), copy.copy(getattr(spec.submodules, MTP_INNER_LAYER_FIELD))
+    spec.submodules = copy.copy(spec.submodules)
+    inner.submodules = copy.copy(inner.submodules)
+    inner.submodules.self_attention = ModuleSpec(module=CompressedAttention,
+                                                 params={"attn_mask_type": AttnMaskType.causal, "kind": kind})
+    setattr(spec.submodules, MTP_INNER_LAYER_FIELD, inner)
+    return spec
 
 
 # ---------------------------------------------------------------- the losses

@@ -29,6 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from cp_ext.attention.compressed import rms_norm
+from cp_ext.megatron_compat import model_layer_number
 
 EPS = 1e-6  # transformers' hc_eps (DeepSeek-V4's)
 
@@ -148,8 +149,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
-        self.is_first = self.layer_number == 1
-        self.is_last = self.layer_number == config.num_layers
+        number = model_layer_number(self)  # an MTP layer's: after the decoder's, on every megatron-core
+        self.is_first = number == 1
+        self.is_last = number == config.num_layers
         self.hc_head = HyperHead(config) if self.is_last else None
         # with MTP the streams go on to the MTP layers: the model collapses them with this head afterwards
         self.collapses = self.is_last and not config.mtp_num_layers

@@ -49,6 +49,8 @@ class DeepSeekV4Router(TopKRouter):
         super().set_layer_number(layer_number)
         # megatron numbers layers from 1; the first --moe-n-hash-layers (MoE) layers route by the table
         self.is_hash = layer_number <= self.config.moe_n_hash_layers
+        if not self.is_hash and hasattr(self, "tid2eid"):  # renumbered (an MTP layer's, `ContextParallelMTPLayer`)
+            del self.tid2eid
         if self.is_hash and not hasattr(self, "tid2eid"):
             table = hash_table(self.config.padded_vocab_size, self.config.num_moe_experts, self.topk, layer_number)
             self.register_buffer("tid2eid", table.to(self.weight.device), persistent=True)

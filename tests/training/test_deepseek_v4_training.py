@@ -2,17 +2,17 @@
 runs on: the whole model, through the trainer, against CP = 1 (fp32, 2 iterations).
 
 The model is test_grid_equivalence's small MoE GPT with V4's attention in every layer: ``--csa-compress-ratios
-[0,4,8,4,0]`` makes layer 1 and the MTP layer (``--mtp-num-layers 1``, DeepSeek-V4's: per stream, its own stream head
-and norm) sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
-query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), each PP2 stage holding a CSA
-layer; a window of 8, one K=V head of 16 with 4 channels rotated (V4's RoPE: 160000 on the compressed layers),
-q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of rank 8, and V4's hyper-connections (4 residual
-streams, 20 Sinkhorn iterations; between PP stages the streams travel as 4 rows per token), and V4's MoE: the
-sqrtsoftplus router with an expert bias and a routed scale of 1.5, layer 1 hash-routed by its frozen token -> experts
-table (on every grid each token must meet its own id: TP2+SP splits the ids with the tokens, PP2's second stage
-routes by the ids the model hands it), SwiGLU clamped at 1 (the test's activations reach it). 32 tokens per sample: at CP4 zigzag
-each rank holds two 4-token chunks, shorter than the window and than an HCA block, so the halo comes from several
-ranks and blocks straddle shards.
+[0,4,8,4,8]`` makes layer 1 sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
+query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), and so is the MTP layer (``--mtp-num-layers
+1``, DeepSeek-V4's: per stream, its own stream head and norm; a kind unlike layer 1's, which megatron-core
+0.19 numbers it as), each PP2 stage holding a CSA layer; a window of 8, one K=V head of 16 with 4 channels rotated
+(V4's RoPE: 160000 on the compressed layers), q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of
+rank 8, and V4's hyper-connections (4 residual streams, 20 Sinkhorn iterations; between PP stages the streams travel
+as 4 rows per token), and V4's MoE: the sqrtsoftplus router with an expert bias and a routed scale of 1.5, layer 1
+hash-routed by its frozen token -> experts table (on every grid each token must meet its own id: TP2+SP splits the ids
+with the tokens, PP2's second stage routes by the ids the model hands it), SwiGLU clamped at 1 (the test's activations
+reach it). 32 tokens per sample: at CP4 zigzag each rank holds two 4-token chunks, shorter than the window and than an
+HCA block, so the halo comes from several ranks and blocks straddle shards.
 
 Compared, as in test_grid_equivalence (`_assert_same`): lm loss, MTP loss, load-balancing loss and grad norm of
 both iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the q-LoRA, K=V head, sinks, grouped
@@ -37,7 +37,7 @@ from tests.training.test_grid_equivalence import DOC_FLAGS, MODEL, _assert_same,
 
 V4 = ["--multi-latent-attention", "--qk-layernorm", "--num-query-groups", "4", "--q-lora-rank", "12", "--v-head-dim", "16",
       "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid",
-      "--csa-compress-ratios", "[0,4,8,4,0]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
+      "--csa-compress-ratios", "[0,4,8,4,8]", "--csa-compress-ratio-for-h", "8", "--csa-window-size", "8",
       "--csa-compress-rotary-base", "160000", "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8",
       "--dsa-indexer-topk", "2", "--o-groups", "2", "--o-lora-rank", "8", "--init-method-std", "0.2",
       "--enable-hyper-connections", "--num-residual-streams", "4", "--mhc-sinkhorn-iterations", "20",
@@ -180,16 +180,17 @@ def test_v4_matches_cp1(layout, runs):
 
 
 def test_mtp_reads_the_streams(runs):
-    """DeepSeek-V4's MTP (--mtp-num-layers 1, its layer sliding: the 5th ratio): a loss of its own, and every MTP
-    parameter learns: enorm, hnorm and eh_proj (per stream), the layer's attention, mixings and MoE, its own stream
-    head and final norm; the decoder's head and final norm are applied after it read the streams."""
+    """DeepSeek-V4's MTP (--mtp-num-layers 1, its layer HCA: the 5th ratio): a loss of its own, and every MTP
+    parameter learns: enorm, hnorm and eh_proj (per stream), the layer's attention (a compressor, no indexer), mixings
+    and MoE (learned routing), its own stream head and final norm; the decoder's head and final norm are applied
+    after it read the streams."""
     metrics, grads = runs("cp1")
     assert metrics["mtp_1 loss"][0] > 0
     mtp = {u: g for u, g in grads.items() if u.startswith("mtp.")}
     for part in ("enorm", "hnorm", "eh_proj", "final_layernorm", "hc_head", "transformer_layer.self_attention.sinks",
                  "transformer_layer.mlp.router"):
         assert any(f"mtp.layers.0.{part}" in u for u in mtp), part
-    assert not any(".compressor." in u for u in mtp)  # a sliding layer
+    assert any(".self_attention.compressor." in u for u in mtp) and not any(".indexer." in u for u in mtp)  # HCA
     assert all(g.abs().max() > 0 for g in mtp.values()), [u for u, g in mtp.items() if not g.abs().max() > 0]
     assert grads["decoder.final_layernorm.weight"].abs().max() > 0
     assert grads["decoder.layers.3.hc_head.mix_weight"].abs().max() > 0
