@@ -4,9 +4,9 @@ runs on: the whole model, through the trainer, against CP = 1 (fp32, 2 iteration
 The model is test_grid_equivalence's small MoE GPT with V4's attention in every layer: ``--csa-compress-ratios
 [0,4,8,4,8]`` makes layer 1 sliding-window only, 2 and 4 CSA (blocks of 4, a 4-head indexer of dim 8 keeping each
 query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), and so is the MTP layer
-(``--mtp-num-layers 1``, DeepSeek-V4's: per stream, its own stream head and norm; a kind unlike layer 1's, which megatron-core
-0.19 numbers it as), each PP2 stage holding a CSA layer; a window of 8, one K=V head of 16 with 4 channels rotated
-(V4's RoPE: 160000 on the compressed layers), q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of
+(``--mtp-num-layers 1``, DeepSeek-V4's: per stream, its own stream head and norm; a kind unlike layer 1's, which
+megatron-core 0.19 numbers it as), each PP2 stage holding a CSA layer; a window of 8, one K=V head of 16 with 4
+channels rotated (V4's RoPE: 160000 on the compressed layers), q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of
 rank 8, and V4's hyper-connections (4 residual streams, 20 Sinkhorn iterations; between PP stages the streams travel
 as 4 rows per token), and V4's MoE: the sqrtsoftplus router with an expert bias and a routed scale of 1.5, layer 1
 hash-routed by its frozen token -> experts table (on every grid each token must meet its own id: TP2+SP splits the ids
