@@ -146,13 +146,19 @@ NO_MLA = _drop("--multi-latent-attention", "--q-lora-rank", "--v-head-dim", "--q
                                                        "supported"]),
         (V4 + ["--window-size", "8,0"], 1, ["--window-size (V4's window is --csa-window-size) is not supported"]),
         (V4 + ["--softmax-type", "learnable"], 1, ["--softmax-type learnable", "--csa-no-attention-sink drops it"]),
+        (V4 + ["--enable-hyper-connections", "--hidden-dropout", "0.1"], 1,
+         ["--hidden-dropout 0.1 is not supported with it; set 0"]),
+        (V4 + ["--enable-hyper-connections", "--recompute-granularity", "selective"], 1,
+         ["--recompute-granularity selective is not supported with --enable-hyper-connections"]),
+        (V4 + ["--num-residual-streams", "2"], 1, ["--num-residual-streams is only read with --enable-hyper-connections"]),
     ],
     ids=["c-not-power-of-two", "h-not-power-of-two", "c-equals-h", "ratios-length", "ratio-marks-no-kind",
          "negative-ratio", "ratios-not-a-list", "window-zero", "topk-zero", "ratios-missing", "indexer-missing",
          "topk-missing", "indexer-head-below-rope", "without-mla", "without-qk-layernorm", "without-q-lora",
          "v-head-not-above-rope", "heads-over-o-groups", "o-groups-over-tp", "packed-without-position-ids",
          "mtp-without-its-ratio",
-         "indexer-loss", "window-size", "softmax-type"],
+         "indexer-loss", "window-size", "softmax-type", "streams-with-hidden-dropout", "streams-with-selective-recompute",
+         "streams-without-hyper-connections"],
 )
 def test_bad_v4_flags_name_the_flag(argv, world, must_name):
     """One problem, one message (nothing else reported), naming the flag and the fix."""

@@ -9,9 +9,8 @@ model's loss): lm loss, load-balancing loss and grad norm of every iteration (re
 parameter's gradient after iteration 1 (`test_grid_equivalence._assert_same`). Layouts: Megatron-LM's
 scheduler and cp_ext's, the all-gather exchange, TP2 + sequence parallelism, EP2, full CP-aware recompute,
 GPT-OSS's windows and sinks, MLA (latent ring and per-head K/V), MTP, Gated DeltaNet (CP2 and CP4) and Kimi
-Delta Attention, PP2, and
-static CP's sizes (every
-document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
+Delta Attention, DeepSeek-V4's attention at CP4 with and without its hyper-connections, PP2, and static CP's sizes
+(every document on 2 ranks). A checkpoint mid-epoch resumes into the uninterrupted run.
 
 Static CP itself, on the same documents: megatron's GPTDataset cuts the corpus into samples of --seq-length
 tokens and static CP 2 trains a global batch of them as packed documents (--reset-attention-mask); the documents
@@ -85,6 +84,8 @@ RUNS = {  # 4 ranks each
     "cp4_gdn": ["--context-parallel-size", "4"] + M16 + GDN,
     "dp2cp2_kda": ["--context-parallel-size", "2"] + M16 + KDA,  # Kimi Delta Attention: the same path
     "cp4_v4": ["--context-parallel-size", "4"] + M16 + V4,
+    # and with its hyper-connections: the streams travel token-major through dynamic CP's packs
+    "cp4_v4_hc": ["--context-parallel-size", "4"] + M16 + V4 + ["--enable-hyper-connections"],
 }
 # 6 ranks: cp_ext's scheduler makes groups of 3 (and 6), sizes that are not powers of two
 RUNS_6 = {"dp3cp2_balanced": ["--context-parallel-size", "2", "--sequence-packing-scheduler", "balanced",
@@ -102,7 +103,8 @@ SAME_DOCUMENTS = {
     "dynamic_same_documents": NO_ROUTER_LOSSES + ["--context-parallel-size", "4", "--eod-mask-loss"] + M16,
 }
 RUNS.update(RUNS_6)
-VARIANTS = {"dsv4_hybrid": V4,  # first: V4's flags hold --multi-latent-attention too
+VARIANTS = {"--enable-hyper-connections": V4 + ["--enable-hyper-connections"],  # V4 with its streams
+            "dsv4_hybrid": V4,  # before MLA: V4's flags hold --multi-latent-attention too
             "--window-size": WINDOW_FLAGS, "--multi-latent-attention": MLA_FLAGS, "--mtp-num-layers": MTP,
             "gated_delta_net": GDN, "kda": KDA}  # the linear variants by --experimental-attention-variant's value
 PACKING_FLAGS = ("--max-seqlen-per-dp-cp-rank", "--min-dynamic-context-parallel-size", "--sequence-packing-scheduler",
