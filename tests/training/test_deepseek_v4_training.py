@@ -6,13 +6,13 @@ The model is test_grid_equivalence's small MoE GPT with V4's attention in every 
 query's top 2 entries) and 3 HCA (blocks of 8, ``--csa-compress-ratio-for-h 8``), and so is the MTP layer
 (``--mtp-num-layers 1``, DeepSeek-V4's: per stream, its own stream head and norm; a kind unlike layer 1's, which
 megatron-core 0.19 numbers it as), each PP2 stage holding a CSA layer; a window of 8, one K=V head of 16 with 4
-channels rotated (V4's RoPE: 160000 on the compressed layers), q-LoRA of rank 12, sinks, a grouped output projection of 2 groups of
-rank 8, and V4's hyper-connections (4 residual streams, 20 Sinkhorn iterations; between PP stages the streams travel
-as 4 rows per token), and V4's MoE: the sqrtsoftplus router with an expert bias and a routed scale of 1.5, layer 1
-hash-routed by its frozen token -> experts table (on every grid each token must meet its own id: TP2+SP splits the ids
-with the tokens, PP2's second stage routes by the ids the model hands it), SwiGLU clamped at 1 (the test's activations
-reach it). 32 tokens per sample: at CP4 zigzag each rank holds two 4-token chunks, shorter than the window and than an
-HCA block, so the halo comes from several ranks and blocks straddle shards.
+channels rotated (V4's RoPE: 160000 on the compressed layers), q-LoRA of rank 12, sinks, a grouped output projection
+of 2 groups of rank 8, and V4's hyper-connections (4 residual streams, 20 Sinkhorn iterations; between PP stages the
+streams travel as 4 rows per token), and V4's MoE: the sqrtsoftplus router with an expert bias and a routed scale of
+1.5, layer 1 hash-routed by its frozen token -> experts table (on every grid each token must meet its own id: TP2+SP
+splits the ids with the tokens, PP2's second stage routes by the ids the model hands it), SwiGLU clamped at 1 (the
+test's activations reach it). 32 tokens per sample: at CP4 zigzag each rank holds two 4-token chunks, shorter than
+the window and than an HCA block, so the halo comes from several ranks and blocks straddle shards.
 
 Compared, as in test_grid_equivalence (`_assert_same`): lm loss, MTP loss, load-balancing loss and grad norm of
 both iterations to 1e-5 relative, and every parameter's gradient after iteration 1 (the q-LoRA, K=V head, sinks, grouped
