@@ -163,6 +163,7 @@ MTP_INNER_LAYER_FIELD = next(name for name in ("mtp_model_layer", "transformer_l
                              if name in multi_token_prediction.MultiTokenPredictionLayerSubmodules.__dataclass_fields__)
 """The MTP layer spec's field holding its transformer layer: ``transformer_layer`` (0.16), ``mtp_model_layer`` (0.17)."""
 
+
 def model_layer_number(layer) -> int:
     """A transformer layer's number in the whole model, MTP layers after the decoder's (0.16: its ``layer_number``;
     0.19 numbers an MTP layer's inner layer from 1 and marks it ``is_mtp_layer``)."""

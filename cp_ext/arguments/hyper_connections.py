@@ -37,7 +37,6 @@ def hyper_connection_problems(args):
     if args.hidden_dropout:
         p.append(f"--enable-hyper-connections mixes the blocks' outputs into the streams without megatron's "
                  f"bias-dropout-add: --hidden-dropout {args.hidden_dropout} is not supported with it; set 0")
-    for on, flag in ((args.recompute_granularity == "selective", "--recompute-granularity selective"),):
-        if on:
-            p.append(f"{flag} is not supported with --enable-hyper-connections yet; drop it")
+    if args.recompute_granularity == "selective":
+        p.append("--recompute-granularity selective is not supported with --enable-hyper-connections yet; drop it")
     return p

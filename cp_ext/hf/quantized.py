@@ -18,8 +18,7 @@ All give, in fp32, exactly what transformers' ``_dequantize_fp8_weight``, ``Fp8D
 ``convert_moe_packed_tensors`` give (tests/hf/test_quantized.py checks it bit for bit). For block-scaled FP8,
 transformers' load-time ``Fp8Dequantize`` agrees where the blocks tile the weight exactly; it derives the block from
 the scale grid (rows // grid rows), so at a partial edge it raises or mis-tiles (576 rows in 5 blocks), where
-DeepSeek's kernel and this one do not. The quantizers make such
-tensors, for tests or a user who wants them.
+DeepSeek's kernel and this one do not. The quantizers make such tensors, for tests or a user who wants them.
 """
 
 import torch
@@ -81,6 +80,13 @@ def quantize_fp8_blocks(weight, block=(128, 128)):
     return (w / spread).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale_inv
 
 
+def _fp4_values(packed) -> torch.Tensor:
+    """fp32 [..., 2 n] from bytes [..., n]: the low nibble is the even element."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
+
+
 def dequantize_mxfp4(blocks, scales) -> torch.Tensor:
     """fp32 [..., G x 32, rows] from blocks [..., rows, G, 16] and scales [..., rows, G]: transformers'
     ``convert_moe_packed_tensors`` (low nibble first, ``ldexp`` by scale - 127, then the last two dims swapped; it
@@ -89,13 +95,11 @@ def dequantize_mxfp4(blocks, scales) -> torch.Tensor:
         raise ValueError(f"blocks {tuple(blocks.shape)} need scales of shape blocks.shape[:-1] (at least 2-d), "
                          f"not {tuple(scales.shape)}")
     *lead, rows, groups, half = blocks.shape
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     out = torch.empty(*lead, groups * 2 * half, rows)
     flat_out, flat_b = out.view(-1, groups * 2 * half, rows), blocks.reshape(-1, rows, groups, half)
     flat_e = scales.reshape(-1, rows, groups).to(torch.int32) - 127
     for i in range(flat_b.shape[0]):  # one expert at a time: the int64 codes of all would be 8x the packed size
-        b = flat_b[i].to(torch.uint8)
-        values = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # [rows, G, 32]
+        values = _fp4_values(flat_b[i])  # [rows, G, 32]
         flat_out[i] = torch.ldexp(values, flat_e[i].unsqueeze(-1)).flatten(-2).T
     return out
 
@@ -117,14 +121,6 @@ def quantize_mxfp4(tensor):
     code = torch.where(down % 2 == 1, up, down) | (torch.signbit(t).long() << 3)  # beyond 6 saturates at code 7
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
     return packed.contiguous(), (e + 127).to(torch.uint8)
-
-
-
-def _fp4_values(packed) -> torch.Tensor:
-    """fp32 [..., 2 n] from bytes [..., n]: the low nibble is the even element."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    b = packed.contiguous().view(torch.uint8)
-    return torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)
 
 
 def dequantize_fp4_rows(packed, scale) -> torch.Tensor:

@@ -128,8 +128,9 @@ class HFCheckpoint:
                     else (torch.uint8, torch.uint8))
             for part, t, dtype in zip(parts, tensors, want):
                 if dtype is not None and t.dtype != dtype:
+                    fp4_too = f" (or, FP4-packed, in {q.FP4_PACKED})" if self.quantization == "fp8" else ""
                     raise HFError(f"{self.files[part]}: tensor {part} is stored in {t.dtype}; {self.quantization} "
-                                  f"stores it in {dtype} (or, FP4-packed, in {q.FP4_PACKED})")
+                                  f"stores it in {dtype}{fp4_too}")
             try:
                 if fp4:
                     tensor = q.dequantize_fp4_rows(*tensors)
