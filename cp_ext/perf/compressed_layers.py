@@ -23,11 +23,13 @@ rank and kind.
 **Activations** per token (`compressed_attention_elems`, `hyper_connection_elems`): the tensors the layer saves for
 backward, counted from its code (q-LoRA and its norm, the per-head q norm, the K=V head and its norm, the attention's
 fp32 inputs, the compressors' pooled rows, the output and the grouped projection; the streams' fp32 norms and the
-mixings); measured against tools/measure_memory.py in tests/perf/test_compressed_layers.py.
+mixings); measured against tools/measure_memory.py in tests/bench/test_memory_measure_families.py.
 """
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+from cp_ext.perf.comm import segment_owners
 
 KINDS = ("sliding", "csa", "hca")
 
@@ -98,11 +100,10 @@ def hyper_connection_params(n: int, h: int, last: bool) -> int:
 
 # --------------------------------------------------------------------------------------------- CP bytes
 def _segments(s: int, cp: int, layout: str) -> List[Tuple[int, int, int]]:
-    """(start, end, owner) of each segment of the sequence, in order (zigzag: chunks r and 2C-1-r on rank r)."""
-    chunks = 2 * cp if layout == "zigzag" else cp
-    size = s // chunks
-    owners = [j if j < cp else 2 * cp - 1 - j for j in range(chunks)] if layout == "zigzag" else list(range(cp))
-    return [(j * size, (j + 1) * size, owners[j]) for j in range(chunks)]
+    """(start, end, owner) of each segment of the sequence, in order (`comm.segment_owners`)."""
+    owners = segment_owners(cp, layout)
+    size = s // len(owners)
+    return [(j * size, (j + 1) * size, owner) for j, owner in enumerate(owners)]
 
 
 def _merge(intervals):

@@ -109,11 +109,10 @@ class ModelShape:
     linear_value_heads: int = 32
     linear_key_dim: int = 128
     linear_value_dim: int = 128
-    # DeepSeek-V4 (`cp_ext.perf.compressed_layers`): its attention layers, the mHC streams (0: none), hash layers
+    # DeepSeek-V4 (`cp_ext.perf.compressed_layers`): its attention layers, the mHC streams (0: none)
     compressed: Optional[CompressedLayers] = None
     residual_streams: int = 0
     mhc_iterations: int = 20
-    hash_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -199,7 +198,6 @@ class ModelShape:
             compressed=CompressedLayers.from_args(args),
             residual_streams=args.num_residual_streams if getattr(args, "enable_hyper_connections", False) else 0,
             mhc_iterations=getattr(args, "mhc_sinkhorn_iterations", 20),
-            hash_layers=getattr(args, "moe_n_hash_layers", 0) or 0,
             **_linear_fields(args),
         )
 
@@ -230,8 +228,7 @@ PRESETS: Dict[str, ModelShape] = {
         tied_embeddings=False, qk_layernorm=True, shared_expert_ffn=2048, multi_latent_attention=True,
         q_lora_rank=1024, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=512,
         moe_router_score_function="sqrtsoftplus", moe_aux_loss=False, moe_router_fp32=True,
-        compressed=CompressedLayers(ratios=(0, 0) + (4, 128) * 20 + (4, 0)), residual_streams=4, hash_layers=3,
-        mtp_layers=1),
+        compressed=CompressedLayers(ratios=(0, 0) + (4, 128) * 20 + (4, 0)), residual_streams=4, mtp_layers=1),
 }
 
 

@@ -271,10 +271,8 @@ def compressed_kinds(m: ModelShape, g: Grid, *, s: int, b: int = 1, dtype: str =
             continue
         i = layers[0]
         x = layer_activation_elems(m, i, tp=g.tp, cp=g.cp, dtype=dtype, s=s)
-        sent = max(y["fwd"] + y["bwd"] for y in compressed_layer_bytes(m.compressed, kind, s=s, cp=g.cp,
-                                                                        d=m.v_head_dim, b=b, dtype=dtype))
-        fwd = max(y["fwd"] for y in compressed_layer_bytes(m.compressed, kind, s=s, cp=g.cp, d=m.v_head_dim, b=b,
-                                                           dtype=dtype))
+        per_rank = compressed_layer_bytes(m.compressed, kind, s=s, cp=g.cp, d=m.v_head_dim, b=b, dtype=dtype)
+        sent, fwd = max(y["fwd"] + y["bwd"] for y in per_rank), max(y["fwd"] for y in per_rank)
         attention = compressed_attention_params(m.compressed, kind, h=m.hidden, a=m.heads, d=m.v_head_dim,
                                                 q_rank=m.q_lora_rank)
         rows.append(dict(kind=kind, layers=len(layers), params=attention,
