@@ -93,3 +93,23 @@ def test_sinkhorn_iterations_take_effect():
     _, comb_one, _ = one(streams)
     assert (comb_one.sum(-2) - 1).abs().max().item() < 1e-4
     assert (comb_many - comb_one).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("normalization, zero_centered", [("RMSNorm", False), ("LayerNorm", False),
+                                                          ("RMSNorm", True), ("LayerNorm", True)])
+def test_streams_final_norm_is_the_usual_norm_applied_later(normalization, zero_centered):
+    """With MTP the final-norm seat hands the streams on (forward is the identity) and `normalize` is the norm the seat
+    holds otherwise (`SequenceParallelNorm`): the same parameter names and, with the same values, the same output."""
+    from cp_ext.transformer.hyper_connections import StreamsFinalNorm
+    from cp_ext.transformer.norms import SequenceParallelNorm
+
+    config = _config()
+    config.normalization, config.layernorm_zero_centered_gamma = normalization, zero_centered
+    usual, deferred = SequenceParallelNorm(config, HIDDEN, eps=1e-6), StreamsFinalNorm(config, HIDDEN, eps=1e-6)
+    assert sorted(dict(usual.named_parameters())) == sorted(dict(deferred.named_parameters()))
+    assert torch.equal(usual.weight, deferred.weight)  # the same initial gain (0 when zero-centered)
+    _randomize(usual)
+    deferred.load_state_dict(usual.state_dict())
+    x = torch.randn(5, 2, HIDDEN, generator=torch.Generator().manual_seed(8))
+    assert deferred(x) is x
+    assert torch.equal(deferred.normalize(x), usual(x))
