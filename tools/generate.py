@@ -144,9 +144,7 @@ def main(argv=None):
             tool.max_new_tokens = len(answers[0])  # the key's digits
         else:
             encoded = [tokenizer.tokenize(p).tolist() for p in prompts]
-        from cp_ext.inference import generation_problems
-
-        problems = generation_problems(args) + length_problems(tool, [len(ids) for ids in encoded], args)
+        problems = length_problems(tool, [len(ids) for ids in encoded], args)
         vocab = args.padded_vocab_size or args.vocab_size
         if vocab and encoded and max(max(ids, default=0) for ids in encoded) >= vocab:
             problems.append(f"the prompts hold token ids up to {max(max(ids, default=0) for ids in encoded)}, past the "

@@ -23,7 +23,7 @@ from cp_ext.attention.dsa.indexer import RunningTopK, index_scores
 from cp_ext.attention.cp.primitives import accum_dtype
 
 
-def _global_topk(state: RunningTopK, group, size: int):
+def global_topk(state: RunningTopK, group, size: int):
     """Every ring rank's candidates ([b, 1, k] scores and positions) merged into the global top-k positions."""
     values, positions = state.values, state.positions
     if size > 1:
@@ -57,7 +57,7 @@ def decode_sparse(cache, layer: int, q: torch.Tensor, row: torch.Tensor, index_q
     state = RunningTopK(b, here, topk, acc)
     if keys.shape[1]:
         state.add(index_scores(index_q.transpose(0, 1), index_w.transpose(0, 1), keys[..., latent_width:]), positions)
-    chosen = _global_topk(state, cache.ring_group, cache.ring_size)  # [b, k]
+    chosen = global_topk(state, cache.ring_group, cache.ring_size)  # [b, k]
     picked = (positions.view(1, -1, 1) == chosen.view(b, 1, -1)).any(-1)  # [b, n]: my keys that were chosen
     latents = keys[..., :latent_width].to(acc)
     scores = torch.einsum("bhd,bnd->bhn", q[0].to(acc), latents).mul_(softmax_scale)

@@ -13,11 +13,13 @@
 3. **Decode**: each new token runs through the model on every CP rank (the same hidden state),
    its attention against the sharded cache (`cp_ext.inference.kv_cache`), RoPE at its global
    position; a linear-attention layer continues from its state and conv tail, the same on every
-   rank (`cp_ext.linear_attention.generation_state`). Every rank computes the same logits, so every rank
-   samples the same token.
+   rank (`cp_ext.linear_attention.generation_state`); a DeepSeek-V4 layer reads its window and
+   compressed entries, sharded over the CP group (`cp_ext.inference.compressed_cache`). Every
+   rank computes the same logits, so every rank samples the same token.
 
-Pipeline stages pass the prompt's (then each token's) hidden states on with send/recv; the last
-stage picks the token and broadcasts it over the pipeline group. Tensor parallelism: heads (and
+Pipeline stages pass the prompt's (then each token's) hidden states on with send/recv (under
+hyper-connections, each token's residual streams); the last stage picks the token and
+broadcasts it over the pipeline group. Tensor parallelism: heads (and
 so the cache) split over TP as in training; the vocabulary-parallel logits are gathered. Under
 sequence parallelism (required for MoE with TP) a decode step feeds one identical copy of the
 token per TP rank, so megatron's sequence scatter/gather have something to split.
@@ -37,8 +39,11 @@ from megatron.core.models.gpt import GPTModel
 from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
 from cp_ext.transformer.attention import CoreAttention
+from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.dsa import DSACoreAttention
+from cp_ext.transformer.hyper_connections import StreamsFinalNorm, collapse
 from cp_ext.transformer.linear_mixer import LinearMixer
+from cp_ext.transformer.router import DeepSeekV4Router
 
 
 @dataclass
@@ -66,16 +71,6 @@ class Generation:
     # nothing predicts it), vLLM's prompt_logprobs; and each generated token's. Known on every rank.
     prompt_logprobs: Optional[List[Optional[float]]] = None
     new_logprobs: Optional[List[float]] = None
-
-
-def generation_problems(args) -> List[str]:
-    """What this generator cannot run yet, one message each naming the flag (the tool says them at parse time)."""
-    if getattr(args, "experimental_attention_variant", None) == "dsv4_hybrid":
-        return ["--experimental-attention-variant dsv4_hybrid: generation with DeepSeek-V4's layers is not supported "
-                "yet (their cache would hold the window, the compressed entries, the open block and CSA's overlap); "
-                "score prompts with a forward, or export the checkpoint with tools/convert_hf.py and generate "
-                "with transformers"]
-    return []
 
 
 def prefill_length(prompt_length: int, cp_size: int, layout: str, sp_size: int = 1) -> int:
@@ -111,9 +106,12 @@ class Generator:
         self.device = next(model.parameters()).device
         self.model.eval()
         # every layer that keeps something for the next token: the softmax layers' core attention (their KV
-        # cache share) and the linear-attention layers (their state and conv tail)
+        # cache share), DeepSeek-V4's layers (window, entries, open block) and the linear-attention layers
+        # (their state and conv tail)
         self.attention = [m for m in self.model.modules()
-                          if isinstance(m, (CoreAttention, DSACoreAttention, LinearMixer))]
+                          if isinstance(m, (CoreAttention, DSACoreAttention, CompressedAttention, LinearMixer))]
+        # hash-routed MoE layers route by token id: a decode step (or a later stage's prefill) hands them the ids
+        self.hash_routers = [m for m in self.model.modules() if isinstance(m, DeepSeekV4Router) and m.is_hash]
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -140,6 +138,9 @@ class Generator:
 
     # Pipeline stages hand hidden states [s, b, hidden] on, one prompt or one token at a time.
     def _from_previous_stage(self, tokens: int) -> torch.Tensor:
+        # under hyper-connections a token travels as its residual streams, one row each (token-major)
+        if getattr(self.config, "enable_hyper_connections", False):
+            tokens *= self.config.num_residual_streams
         hidden = torch.empty(tokens, 1, self.config.hidden_size, dtype=self.config.pipeline_dtype, device=self.device)
         dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
         return hidden
@@ -157,6 +158,7 @@ class Generator:
         positions = cp_state.get_context_parallel_positions(length, self.layout, device=self.device)
         if not self.first_stage:
             self.model.set_input_tensor(self._from_previous_stage(positions.numel() // self.sp_size))
+            self._route_by(ids[positions][None])  # the first stage's model forward does it
         out = self.model(ids[positions][None] if self.first_stage else None, positions[None], None)
         if not self.last_stage:
             self._to_next_stage(out)  # [s_local / SP, 1, hidden]
@@ -184,8 +186,9 @@ class Generator:
         on the last pipeline stage (None on the others)."""
         model = self.model
         cache.position = position  # what a sliding window of the cache measures from
+        ids = torch.full((1, self.sp_size), token, device=self.device)
+        self._route_by(ids)
         if self.first_stage:
-            ids = torch.full((1, self.sp_size), token, device=self.device)
             hidden = model.embedding(input_ids=ids, position_ids=torch.full_like(ids, position))  # [1, 1, hidden]
         else:
             hidden = self._from_previous_stage(1)
@@ -199,9 +202,16 @@ class Generator:
         if not self.last_stage:
             self._to_next_stage(hidden)
             return None
+        if isinstance(model.decoder.final_layernorm, StreamsFinalNorm):  # V4's streams went on for MTP: collapse
+            hidden = collapse(hidden, model.decoder.layers[-1].hc_head, model.decoder.final_layernorm)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(hidden, weight=weight)  # [SP copies, 1, vocab / TP]
         return self._vocab(logits[0, 0]).float()
+
+    def _route_by(self, ids: torch.Tensor) -> None:
+        """Hand the hash-routed MoE layers the token ids [1, s] of the tokens this stage runs."""
+        for router in self.hash_routers:
+            router.set_token_ids(ids)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over this TP rank's vocabulary slice -> over the whole vocabulary."""

@@ -55,6 +55,23 @@ def decode_bytes_per_token_layer(batch, heads, head_dim, ulysses, ring, itemsize
     return itemsize * batch * local_heads * ((ring - 1) * (head_dim + 1) + (ulysses - 1) * head_dim)
 
 
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, group, size: int):
+    """Every rank's partial attention (out [b, h, 1, d], lse [b, h, 1]: over its own keys) merged over ``group``
+    (``size`` ranks): one all-gather of (out, lse), then the LSE merge in group-rank order on every rank, so
+    every rank gets the same bits."""
+    if size == 1:
+        return out, lse
+    packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # one message: [b, h', 1, d+1]
+    parts = [torch.empty_like(packed) for _ in range(size)]
+    if COMM_COUNTER.enabled:
+        COMM_COUNTER.add("decode_ring_gather", packed.nbytes * (size - 1))
+    dist.all_gather(parts, packed, group=group)
+    merged_out, merged_lse = parts[0][..., :-1].clone(), parts[0][..., -1].clone()
+    for part in parts[1:]:
+        update_out_and_lse(merged_out, merged_lse, part[..., :-1], part[..., -1])
+    return merged_out, merged_lse
+
+
 class LayerKVCache:
     """One layer's keys [b, hk', capacity, d] and values [.., d_v] on this rank, filled to ``length``,
     and the global position of each cached token (a sliding window selects by it). Values None: the
@@ -111,6 +128,8 @@ class ShardedKVCache:
         self.decoded = 0  # tokens decoded so far: who appends the next one
         # linear-attention layers' states and conv tails, by layer (`cp_ext.linear_attention.generation_state`)
         self.linear = {}
+        # DeepSeek-V4's layers' windows, entries and open blocks, by layer (`cp_ext.inference.compressed_cache`)
+        self.compressed = {}
         self.position = 0  # the global position of the token being decoded (set by the generator)
 
     # ------------------------------------------------------------ prefill
@@ -141,6 +160,7 @@ class ShardedKVCache:
         layer's is made by its first decode step, shaped like what that layer caches."""
         self.layers = [None] * len(self.layers)
         self.linear = {}
+        self.compressed = {}
 
     def _empty_layer(self, k: torch.Tensor, v: Optional[torch.Tensor]) -> LayerKVCache:
         """An empty cache for rows like ``k`` / ``v`` [b, hk', d] (this rank's share of one token)."""
@@ -202,23 +222,33 @@ class ShardedKVCache:
 
         return decode_sparse(self, layer, q, row, index_q, index_w, **settings)
 
+    def store_compressed(self, layer: int, kept, spec, rate: Optional[int], group) -> None:
+        """Keep a DeepSeek-V4 layer's share of a prefill (`cp_ext.inference.compressed_cache`); ``group``: the CP
+        group its attention ran over (the whole CP group, under Ulysses too), None for one rank."""
+        from cp_ext.inference.compressed_cache import CompressedLayerCache
+
+        self.compressed[layer] = CompressedLayerCache.from_prefill(kept, spec, rate, group)
+
+    def attend_compressed(self, layer: int, q, kv, compressors, sinks, spec, rate: Optional[int], group,
+                          index_q=None, index_w=None) -> torch.Tensor:
+        """A DeepSeek-V4 layer's decode step on its share (`CompressedLayerCache.step`): q [H, D], kv [D] rotated at
+        `position`; ``compressors``: the layer's (then its indexer's), each with this token's rows [1, 1, F]."""
+        from cp_ext.inference.compressed_cache import CompressedLayerCache
+
+        rows = torch.cat([c.rows.reshape(-1) for c in compressors]) if compressors else None
+        if layer not in self.compressed:  # start_empty: this layer's first token
+            width = sum(c.width for c in compressors)
+            self.compressed[layer] = CompressedLayerCache.empty(spec, rate, group, kv, rows, width)
+        cache = self.compressed[layer]
+        turn = self.decoded % cache.size == cache.rank
+        return cache.step(q, kv, rows, compressors, sinks, index_q, index_w, self.position, turn)
+
     def finish_token(self) -> None:
         """Called once per decoded token, after every layer: the next one goes to the next ring rank."""
         self.decoded += 1
 
     def _merge_over_ring(self, out, lse):
-        if self.ring_size == 1:
-            return out, lse
-        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # one message: [b, h', 1, d+1]
-        parts = [torch.empty_like(packed) for _ in range(self.ring_size)]
-        if COMM_COUNTER.enabled:
-            COMM_COUNTER.add("decode_ring_gather", packed.nbytes * (self.ring_size - 1))
-        dist.all_gather(parts, packed, group=self.ring_group)
-        # Merge in ring-rank order on every rank, so every rank gets the same bits.
-        merged_out, merged_lse = parts[0][..., :-1].clone(), parts[0][..., -1].clone()
-        for part in parts[1:]:
-            update_out_and_lse(merged_out, merged_lse, part[..., :-1], part[..., -1])
-        return merged_out, merged_lse
+        return merge_partials(out, lse, self.ring_group, self.ring_size)
 
     def _gather_heads(self, out):
         """[b, h/U, 1, d] head slices of the Ulysses group -> [1, b, h, d]."""
@@ -231,6 +261,8 @@ class ShardedKVCache:
         return out.permute(2, 0, 1, 3)
 
     def bytes_held(self) -> int:
-        """The cache bytes this rank holds (keys and values, or latents; filled part; linear layers' states)."""
+        """The cache bytes this rank holds (keys and values, or latents; filled part; linear layers' states;
+        DeepSeek-V4's windows, entries and open blocks)."""
         return (sum(c.length * c.bytes_per_token() for c in self.layers if c)
-                + sum(state.bytes_held() for state in self.linear.values()))
+                + sum(state.bytes_held() for state in self.linear.values())
+                + sum(c.nbytes() for c in self.compressed.values()))

@@ -25,8 +25,13 @@ Context parallelism: the layer hands this CP rank's tokens, their global positio
 packed documents to `compressed_attention` over megatron's whole CP group (the window's halo and the entries
 cross ranks; the query heads never do, under Ulysses as well); under dynamic CP, over the microbatch's group with
 its per-document zigzag.
+
+Generation (``kv_cache`` set by `cp_ext.inference.Generator`): the prefill is this forward, each rank keeping its
+share (`cp_ext.inference.compressed_cache`); a decode step rotates the token's q and K=V row at its position and
+attends them to the CP-sharded cache.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -41,7 +46,8 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 
 from cp_ext import parallel_state as cp_state
-from cp_ext.attention.compressed import CompressedAttentionSpec, Compressor, Indexer, compressed_attention, rms_norm
+from cp_ext.attention.compressed import (CompressedAttentionSpec, Compressor, Indexer, compressed_attention,
+                                        interleaved_rope, rms_norm)
 from cp_ext.transformer.attention import _document_ids
 from cp_ext.transformer.dynamic_cp import dynamic_params
 
@@ -190,6 +196,8 @@ class CompressedAttention(MegatronModule):
         self.spec = CompressedAttentionSpec(self.kind, config.csa_window_size,
                                             dim ** -0.5, index_topk=config.dsa_indexer_topk or 0,
                                             dense=self.indexer is None)
+        self.rate = rate
+        self.kv_cache = None  # a generation's CP-sharded cache (`cp_ext.inference.kv_cache`), set while it runs
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The sinks split over TP (dim 0); the children map themselves (replicated where they are whole)."""
@@ -208,7 +216,8 @@ class CompressedAttention(MegatronModule):
                 inference_context=None, packed_seq_params=None, **kwargs):
         """[s, b, hidden] (this CP rank's tokens; its TP share under sequence parallelism) -> (output, None)."""
         if inference_context is not None or kwargs.get("inference_params") is not None:
-            raise NotImplementedError("DeepSeek-V4's layers do not generate yet; train with them")
+            raise NotImplementedError("DeepSeek-V4's layers generate with cp_ext.inference.Generator, not with "
+                                      "megatron's inference contexts")
         dynamic = dynamic_params(packed_seq_params)  # dynamic CP: this microbatch's group and per-document layout
         tp = parallel_state.get_tensor_model_parallel_world_size()
         x = hidden_states
@@ -226,6 +235,10 @@ class CompressedAttention(MegatronModule):
         compressor = None if self.compressor is None else self.compressor.bundle(
             self.compressor.rows(x), self.compress_inv_freq, True)
         indexer = None if self.indexer is None else self.indexer.inputs(x, q_res, self.compress_inv_freq)
+        if self.kv_cache is not None and self.kv_cache.decoding:
+            o = self._decode(q, kv, sinks, compressor, indexer)
+            out, _ = self.linear_proj(self.linear_o_group_proj(o.flatten(2)))
+            return out, None
         if dynamic is not None:  # the group's documents, each zigzagged over it (their ids in attention_mask)
             group = dynamic.cp_group if dynamic.size > 1 else None
             positions = dynamic.positions(device=x.device) if group is not None else torch.arange(s, device=x.device)
@@ -234,8 +247,30 @@ class CompressedAttention(MegatronModule):
             group = parallel_state.get_context_parallel_group() if cp > 1 else None
             positions = cp_state.get_context_parallel_positions(s * cp, getattr(self.config, "cp_layout", "zigzag"),
                                                                 device=x.device)
+        keep = None if self.kv_cache is None else []  # a generation's prefill: each rank keeps its share
         o = compressed_attention(q, kv, sinks, self.spec, positions=positions,
                                  document_ids=_document_ids(attention_mask, b, s, x.device), group=group,
-                                 compressor=compressor, indexer=indexer, rope_inv_freq=self.inv_freq)
+                                 compressor=compressor, indexer=indexer, rope_inv_freq=self.inv_freq, keep=keep)
+        if keep is not None:
+            self.kv_cache.store_compressed(self.layer_number - 1, keep[0], self.spec, self.rate, group)
         out, _ = self.linear_proj(self.linear_o_group_proj(o.flatten(2)))
         return out, None
+
+    def _decode(self, q, kv, sinks, compressor, indexer) -> torch.Tensor:
+        """One token against the CP-sharded cache at ``kv_cache.position`` (its copies under sequence parallelism
+        identical: the first is computed, the result copied): [copies, 1, H_local, D]."""
+        position = torch.tensor([self.kv_cache.position], device=q.device)
+        q_t = interleaved_rope(q[:1, 0], position, self.inv_freq)[0]  # [H_local, D]
+        kv_t = interleaved_rope(kv[:1, 0], position, self.inv_freq)[0]  # [D]
+        compressors = [] if compressor is None else [compressor] + ([indexer.compressor] if indexer else [])
+        compressors = [dataclasses.replace(c, rows=c.rows[:1]) for c in compressors]
+        index_q = index_w = None
+        if indexer is not None:
+            index_q = interleaved_rope(indexer.q[:1, 0], position, indexer.compressor.inv_freq)[0]
+            index_w = indexer.weights[0, 0]
+        cp = parallel_state.get_context_parallel_world_size()
+        group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        o = self.kv_cache.attend_compressed(self.layer_number - 1, q_t, kv_t, compressors, sinks, self.spec,
+                                            self.rate, group, index_q, index_w)
+        o = interleaved_rope(o[None], position, self.inv_freq, inverse=True)  # [1, H_local, D]
+        return o.unsqueeze(1).expand(q.shape[0], -1, -1, -1)

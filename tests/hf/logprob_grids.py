@@ -65,14 +65,18 @@ def score(model, tokens, position_ids, document_ids):
     return full
 
 
-def run_worker(argv, grids, flags, *, per_document_positions):
+def run_worker(argv, grids, flags, *, per_document_positions, generate=0):
     """The worker: for every grid asked (``--grids``) and model (``--inputs``), the checkpoint loaded with
     ``flags`` and the grid's, and both cases scored; rank 0 saves them. ``per_document_positions``: each packed
-    document's positions restart at 0 (for models whose RoPE reads them: ``--reset-position-ids``)."""
+    document's positions restart at 0 (for models whose RoPE reads them: ``--reset-position-ids``). ``generate``:
+    also generate that many tokens greedily after the one document's prompt (`cp_ext.inference.Generator`, its
+    CP-sharded cache), with their log-probs and the prompt's ("generated": {"ids", "prompt_logprobs",
+    "logprobs"})."""
     import torch
     import torch.distributed as dist
 
     from cp_ext.arguments import parse_args
+    from cp_ext.inference import Generator
     from cp_ext.training.model_from_flags import model_from_flags
 
     opts = worker_args(argv, required=["--grids", "--inputs"])
@@ -93,6 +97,10 @@ def run_worker(argv, grids, flags, *, per_document_positions):
             scores = {"one_document": score(model, one, torch.arange(one.numel()), None),
                       "two_documents": score(model, packed, positions,
                                              torch.cat([torch.full_like(d, i) for i, d in enumerate(docs)]))}
+            if generate:
+                out = Generator(model).generate(one[:-generate].tolist(), generate, logprobs=True)
+                scores["generated"] = {"ids": out.new_ids, "prompt_logprobs": out.prompt_logprobs,
+                                       "logprobs": out.new_logprobs}
             if int(os.environ["RANK"]) == 0:
                 path = Path(opts.results_dir, f"{grid}_{family}.pt")
                 torch.save(scores, path)
@@ -125,7 +133,7 @@ def scores_getter(script, grids, converted, inputs_path, quick):
 def check_logprobs(ours, reference, ids, new_tokens, tolerance=1e-4):
     """Every position's log-probs within ``tolerance`` of transformers' in both cases, and transformers' greedy
     tokens cp_ext's argmax after the prompt."""
-    for case in CASES:
+    for case in CASES:  # ("generated": check_generation's)
         assert ours[case].shape == reference[case].shape, case
         error = (ours[case] - reference[case]).abs().max()
         assert error <= tolerance, (case, error)
@@ -133,6 +141,21 @@ def check_logprobs(ours, reference, ids, new_tokens, tolerance=1e-4):
     prompt = len(one) - new_tokens
     assert ours["one_document"][prompt - 1:-1].argmax(-1).tolist() == one[prompt:]
 
+
+def check_generation(ours, reference, ids, new_tokens, tolerance=1e-4):
+    """cp_ext's generation after the one document's prompt gives transformers' greedy tokens, and each prompt
+    token's and generated token's log-prob within ``tolerance`` of transformers' log_softmax."""
+    import torch
+
+    one = ids["one_document"]
+    prompt = len(one) - new_tokens
+    generated = ours["generated"]
+    assert generated["ids"] == one[prompt:]
+    ours_logprobs = generated["prompt_logprobs"][1:] + generated["logprobs"]
+    theirs = reference["one_document"][:-1].gather(1, torch.tensor(one[1:])[:, None])[:, 0].tolist()
+    assert len(ours_logprobs) == len(theirs) == len(one) - 1
+    worst = max(abs(a - b) for a, b in zip(ours_logprobs, theirs))
+    assert worst <= tolerance, worst
 
 
 def check_export_bit_for_bit(tool, hf, ckpt, out, shard_size):

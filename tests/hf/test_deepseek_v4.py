@@ -6,9 +6,10 @@ layer, hyper-connections, sinks, YaRN on the compressed layers; every zero-initi
 sharded, imported, and scored by this file's worker at CP1, CP2 ring, CP4 ring, Ulysses 2 x ring 2, TP2+SP and EP2: a
 full forward of 64 tokens in the training layout. Two cases per grid:
 
-* one document: a 56-token prompt and the 8 tokens transformers' ``generate`` picks greedily after it (its V4 cache
+* one document: a 50-token prompt and the 14 tokens transformers' ``generate`` picks greedily after it (its V4 cache
   and compressor states); every position's log-probabilities equal transformers' log_softmax of its fp32 logits
-  within 1e-4, and cp_ext's argmax at the last 8 prompt positions are the generated tokens. 64 tokens: 8 HCA blocks
+  within 1e-4, and cp_ext's argmax at the last 14 prompt positions are the generated tokens. cp_ext's generator
+  (its CP-sharded cache) generates the same 14 tokens after the prompt, with the same log-probs. 64 tokens: 8 HCA blocks
   complete, and from token 16 on the indexer keeps 3 of more than 3 CSA entries.
 * two packed documents (40 + 24 tokens, ``--reset-attention-mask``, positions restarting): each document's
   log-probabilities equal transformers' on that document alone.
@@ -28,13 +29,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.hf.logprob_grids import (check_export_bit_for_bit, check_logprobs, draw_inputs, run_worker,  # noqa: E402
-                                     scores_getter)
+from tests.hf.logprob_grids import (check_export_bit_for_bit, check_generation, check_logprobs,  # noqa: E402
+                                     draw_inputs, run_worker, scores_getter)
 from tests.launch import REPO_ROOT, run_script  # noqa: E402
 
 TOOL = REPO_ROOT / "tools" / "convert_hf.py"
 FAMILY = "deepseek_v4"
-LENGTH, NEW_TOKENS, DOCUMENTS = 64, 8, (40, 24)
+LENGTH, NEW_TOKENS, DOCUMENTS = 64, 14, (40, 24)
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 GRIDS = {  # name: (ranks, flags)
     "cp1": (1, []),
@@ -52,7 +53,7 @@ RELEASE = "deepseek_v4_fp8_fp4"  # the release's quantized form, scored on the s
 def worker():
     """Every grid's log-probs (`tests.hf.logprob_grids.run_worker`); packed documents restart their positions."""
     run_worker(sys.argv[1:], GRIDS, ["--seq-length", str(LENGTH), "--device", "cpu", "--reset-attention-mask",
-                                     "--reset-position-ids"], per_document_positions=True)
+                                     "--reset-position-ids"], per_document_positions=True, generate=NEW_TOKENS)
 
 
 # ----------------------------------------------------------------------------- pytest
@@ -94,12 +95,22 @@ def test_logprobs_equal_transformers(converted, scores, grid):
     check_logprobs(scores(grid, FAMILY), reference, ids, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("grid", [pytest.param(g, marks=[pytest.mark.quick] if g in QUICK else []) for g in GRIDS])
+def test_generation_equals_transformers(converted, scores, grid):
+    """tools/generate.py's generator (`cp_ext.inference.Generator`) on the imported checkpoint: after the 50-token
+    prompt (a tail decoded token by token at CP2 and CP4) the 14 tokens transformers' ``generate`` picks, and every
+    log-prob within 1e-4 of transformers'; decoding completes CSA and HCA blocks (the cache forms their entries)."""
+    _, _, _, ids, reference = converted[FAMILY]
+    check_generation(scores(grid, FAMILY), reference, ids, NEW_TOKENS)
+
+
 @pytest.mark.parametrize("grid", ["cp1", "cp2_ring", "cp4_ring"])
 def test_quantized_release_imports_dequantized(converted, scores, grid):
     """DeepSeek-V4's release format (``X.weight`` + ``X.scale``: FP8 with UE8M0 block scales, FP4 routed experts)
     imports dequantized: log-probs equal transformers' on the dequantized weights."""
     _, _, _, ids, reference, _ = converted[RELEASE]
     check_logprobs(scores(grid, RELEASE), reference, ids, NEW_TOKENS)
+    check_generation(scores(grid, RELEASE), reference, ids, NEW_TOKENS)
 
 
 def test_quantized_release_exports_unquantized(converted, tmp_path):

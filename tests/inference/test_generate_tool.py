@@ -54,6 +54,20 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     assert "no --load" in proc.stdout and "decoded one by one" in proc.stdout  # 5 and 11 tokens: tails at CP2
 
 
+V4 = ["--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "12", "--v-head-dim", "16", "--qk-pos-emb-head-dim",
+      "4", "--experimental-attention-variant", "dsv4_hybrid", "--csa-compress-ratios", "[0,4]", "--o-groups", "2",
+      "--dsa-indexer-n-heads", "4", "--dsa-indexer-head-dim", "8", "--dsa-indexer-topk", "2"]
+
+
+def test_deepseek_v4_generates_at_cp2(tmp_path):
+    """A DeepSeek-V4 model (a sliding and a CSA layer) generates at CP2 on its CP-sharded cache, with log-probs
+    (exactness: tests/inference/test_generate_deepseek_v4.py, tests/hf/test_deepseek_v4.py)."""
+    _run(2, TOOL, *V4, "--context-parallel-size", "2", "--prompt", "def main(): return 1", "--max-new-tokens", "6",
+         "--output", tmp_path / "out.jsonl", "--logprobs")
+    record = json.loads((tmp_path / "out.jsonl").read_text())
+    assert len(record["ids"]) == 6 and len(record["logprobs"]) == 6 and all(x <= 0 for x in record["logprobs"])
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("args, must_name", [
     ([], "no prompt"),
@@ -68,11 +82,8 @@ def test_text_prompt_gives_text_and_ids(tmp_path):
     (["--prompt-jsonl", "{jsonl}"], "line 2: not JSON"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt"),
     (["--prompt", "x", "--hidden-size", "32", "--load", "{ckpt}"], "the checkpoint is of another model"),
-    (["--prompt", "x", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "12", "--v-head-dim", "16",
-      "--qk-pos-emb-head-dim", "4", "--experimental-attention-variant", "dsv4_hybrid", "--csa-compress-ratios", "[0,0]",
-      "--o-groups", "2"], "generation with DeepSeek-V4's layers is not supported yet"),
 ], ids=["no-prompt", "empty-prompt", "too-long", "passkey-without-task", "logprobs-without-output", "temperature", "top-p", "top-k-greedy", "jsonl",
-        "prompt-file", "other-model", "deepseek-v4"])
+        "prompt-file", "other-model"])
 def test_bad_input_is_one_message(tmp_path, args, must_name, crafted_checkpoint):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n')

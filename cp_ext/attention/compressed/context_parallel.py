@@ -73,8 +73,8 @@ class Indexer:
 def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, spec: CompressedAttentionSpec, *,
                          positions: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
                          group: Optional[dist.ProcessGroup] = None, compressor: Optional[Compressor] = None,
-                         indexer: Optional[Indexer] = None, rope_inv_freq: Optional[torch.Tensor] = None
-                         ) -> torch.Tensor:
+                         indexer: Optional[Indexer] = None, rope_inv_freq: Optional[torch.Tensor] = None,
+                         keep: Optional[list] = None) -> torch.Tensor:
     """q [s_local, b, H, D], kv [s_local, b, D] (normed), sinks [H] -> [s_local, b, H, D] in q's dtype.
 
     ``positions`` [s_local]: this rank's global positions (`cp_ext.token_partition`); ``document_ids``
@@ -82,7 +82,10 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
     ``compressor``: HCA's or CSA's; ``indexer``: CSA's. ``rope_inv_freq``: V4's RoPE of q and kv (the
     output rotated back); with it, each token's position is its offset in its document, and the indexer's
     queries are rotated with the compressor's ``inv_freq``. Without it, q, kv and the indexer's queries
-    come rotated and the output is not rotated back."""
+    come rotated and the output is not rotated back.
+
+    ``keep`` (a list; a generation's prefill, `cp_ext.inference.compressed_cache`): each sample's `Kept`, what
+    this rank holds for decoding on: its K=V rows (rotated) and the entries it formed, at their positions."""
     sparse = spec.kind == "csa" and not spec.dense
     if (spec.kind == "sliding") != (compressor is None) or sparse != (indexer is not None):
         raise ValueError(f"a {spec.kind} layer{' in dense mode' if spec.dense else ''} takes "
@@ -99,7 +102,7 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
             docs = [d[0] for d in gather_parts(sample, group)] if size > 1 else [sample[0]]
         plan = SequencePlan.build(every_position, docs)
         outs.append(_one_sample(q[:, b], kv[:, b], sinks, spec, plan, rank, group, b, compressor, indexer,
-                                rope_inv_freq))
+                                rope_inv_freq, keep))
     return torch.stack(outs, dim=1).to(q.dtype)
 
 
@@ -113,7 +116,22 @@ def _table(x, plan, needs, rank, group, positions):
     return rows.index_select(0, order), at[order]
 
 
-def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, rope_inv_freq):
+@dataclass
+class Kept:
+    """One sample's share on this rank after a forward, for a generation's cache: the sequence's ``length``; this
+    rank's ``positions`` and its K=V rows ``kv`` there (rotated); on a compressed layer, its compressor rows
+    ``rows`` there (the indexer's after the compressor's) and the ``entries`` it formed ([E, width (+ the
+    indexer's)] in the activations' dtype, as they travel) at ``entry_positions``."""
+
+    length: int
+    positions: torch.Tensor
+    kv: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+    entries: Optional[torch.Tensor] = None
+    entry_positions: Optional[torch.Tensor] = None
+
+
+def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, rope_inv_freq, keep):
     acc = accum_dtype(q.dtype)
     device = q.device
     size = len(plan.positions)
@@ -128,6 +146,8 @@ def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, r
     key_doc = (plan.doc_start.masked_fill(plan.padding, -2)).to(device)
     needs = [plan.window_needs(r, spec.window) for r in range(size)]
     keys, key_positions = _table(kv, plan, needs, rank, group, positions)
+    if keep is not None:
+        keep.append(Kept(plan.size, positions, kv.detach()))
     entries = entry_positions = entry_docs = selection = None
     if compressor is not None:
         comps = [compressor] + ([indexer.compressor] if indexer is not None else [])
@@ -143,7 +163,10 @@ def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, r
             formed.append(form_entries(table, table_index, mine, plan.doc_start.to(device)[mine], c, column))
             column += c.row_width
         # the entries travel in the activations' dtype (bf16 training: half the bytes of the fp32 they are formed in)
-        gathered, entry_positions = gather_entries(torch.cat(formed, dim=-1).to(rows.dtype), owned, rank, group)
+        formed = torch.cat(formed, dim=-1).to(rows.dtype)
+        if keep is not None:
+            keep[-1].rows, keep[-1].entries, keep[-1].entry_positions = rows.detach(), formed.detach(), mine
+        gathered, entry_positions = gather_entries(formed, owned, rank, group)
         gathered = gathered.to(acc)
         entries = gathered[:, :compressor.width]
         entry_docs = key_doc[entry_positions]
