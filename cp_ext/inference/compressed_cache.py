@@ -42,6 +42,7 @@ from cp_ext.attention.compressed.compressor import form_entries
 from cp_ext.attention.compressed.context_parallel import CompressedAttentionSpec, Kept
 from cp_ext.attention.cp.primitives import accum_dtype, add_sink
 from cp_ext.attention.dsa.indexer import RunningTopK, index_scores
+from cp_ext.attention.masks.documents import gather_parts
 from cp_ext.inference.dsa_decode import global_topk
 from cp_ext.inference.kv_cache import merge_partials
 
@@ -108,30 +109,31 @@ class CompressedLayerCache:
         return cls(spec, rate, group, window, entries, _gather_open_block(kept, rate, spec.kind == "csa", group))
 
     @classmethod
-    def empty(cls, spec: CompressedAttentionSpec, rate: Optional[int], group, kv: torch.Tensor,
-              rows: Optional[torch.Tensor], entry_width: int):
-        """Nothing prefilled (a prompt shorter than the CP layout splits): rows like ``kv`` [D] and ``rows`` [F]."""
+    def empty(cls, spec: CompressedAttentionSpec, compressors: List[Compressor], group, kv: torch.Tensor):
+        """Nothing prefilled (a prompt shorter than the CP layout splits): rows like ``kv`` [D] and the compressors'."""
         none = torch.empty(0, dtype=torch.int64, device=kv.device)
         window = _Rows(kv.new_empty(0, kv.shape[-1]), none)
-        if rate is None:
+        if not compressors:
             return cls(spec, None, group, window)
-        return cls(spec, rate, group, window, _Rows(rows.new_empty(0, entry_width), none),
-                   _Rows(rows.new_empty(0, rows.shape[-1]), none))
+        rows = _token_rows(compressors)
+        entries = rows.new_empty(0, sum(c.width for c in compressors))
+        return cls(spec, compressors[0].rate, group, window, _Rows(entries, none),
+                   _Rows(rows.new_empty(0, rows.numel()), none))
 
     def nbytes(self) -> int:
         return sum(part.nbytes() for part in (self.window, self.entries, self.open) if part is not None)
 
-    def step(self, q: torch.Tensor, kv: torch.Tensor, rows: Optional[torch.Tensor], compressors: List[Compressor],
-             sinks: Optional[torch.Tensor], index_q: Optional[torch.Tensor], index_w: Optional[torch.Tensor],
-             position: int, turn: bool) -> torch.Tensor:
-        """One token at ``position``: q [H, D] and its K=V row kv [D] (rotated), its compressor rows [F] (the
-        indexer's after the compressor's), CSA's indexer query [Hi, Di] (rotated) and head weights [Hi]; ``turn``:
+    def step(self, q: torch.Tensor, kv: torch.Tensor, compressors: List[Compressor], sinks: Optional[torch.Tensor],
+             index_q: Optional[torch.Tensor], index_w: Optional[torch.Tensor], position: int,
+             turn: bool) -> torch.Tensor:
+        """One token at ``position``: q [H, D] and its K=V row kv [D] (rotated), the layer's compressors (then its
+        indexer's) holding the token's rows, CSA's indexer query [Hi, Di] (rotated) and head weights [Hi]; ``turn``:
         this rank keeps the token. Returns the attention [H, D] (not rotated back), the same on every rank."""
         if turn:
             self.window.append(kv, position)
         self.window.drop_before(position - self.spec.window + 1)
         if self.rate is not None:
-            self._extend_open_block(rows, compressors, position, turn)
+            self._extend_open_block(_token_rows(compressors), compressors, position, turn)
         acc = accum_dtype(q.dtype)
         keys = [self.window.view()[0].to(acc)]
         if self.rate is not None:
@@ -177,6 +179,12 @@ class CompressedLayerCache:
         return entries[picked, :width]
 
 
+def _token_rows(compressors: List[Compressor]) -> torch.Tensor:
+    """The decoded token's compressor rows [F], the indexer's after the compressor's (their first copy: under
+    sequence parallelism the token comes once per TP rank)."""
+    return torch.cat([c.rows[0, 0] for c in compressors])
+
+
 def _gather_open_block(kept: Kept, rate: int, overlap: bool, group) -> _Rows:
     """The open block's compressor rows (and CSA's overlap block's), from the ranks that hold them, on every rank."""
     first = open_block_start(kept.length, rate, overlap)
@@ -185,13 +193,8 @@ def _gather_open_block(kept: Kept, rate: int, overlap: bool, group) -> _Rows:
     rows = kept.rows.new_zeros(span, kept.rows.shape[-1])
     at = torch.full((span,), -1, dtype=torch.int64, device=rows.device)
     rows[:mine.numel()], at[:mine.numel()] = kept.rows[mine], kept.positions[mine]
-    size, _ = _group(group)
-    if size > 1:  # every rank's share, padded to the span: one all-gather of rows and one of positions
-        parts = [torch.empty_like(rows) for _ in range(size)]
-        places = [torch.empty_like(at) for _ in range(size)]
-        dist.all_gather(parts, rows.contiguous(), group=group)
-        dist.all_gather(places, at, group=group)
-        rows, at = torch.cat(parts), torch.cat(places)
+    if group is not None:  # every rank's share, padded to the span (one all-gather of rows, one of positions)
+        rows, at = torch.cat(gather_parts(rows, group)), torch.cat(gather_parts(at, group))
     held = at >= 0
     order = at[held].argsort()
     return _Rows(rows[held][order], at[held][order])

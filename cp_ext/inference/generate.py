@@ -38,12 +38,11 @@ from megatron.core.models.gpt import GPTModel
 
 from cp_ext import parallel_state as cp_state
 from cp_ext.inference.kv_cache import ShardedKVCache
+from cp_ext.models.mtp import decoder_output
 from cp_ext.transformer.attention import CoreAttention
 from cp_ext.transformer.compressed_attention import CompressedAttention
 from cp_ext.transformer.dsa import DSACoreAttention
-from cp_ext.transformer.hyper_connections import StreamsFinalNorm, collapse
 from cp_ext.transformer.linear_mixer import LinearMixer
-from cp_ext.transformer.router import DeepSeekV4Router
 
 
 @dataclass
@@ -110,8 +109,6 @@ class Generator:
         # (their state and conv tail)
         self.attention = [m for m in self.model.modules()
                           if isinstance(m, (CoreAttention, DSACoreAttention, CompressedAttention, LinearMixer))]
-        # hash-routed MoE layers route by token id: a decode step (or a later stage's prefill) hands them the ids
-        self.hash_routers = [m for m in self.model.modules() if isinstance(m, DeepSeekV4Router) and m.is_hash]
         self.layout = self.config.cp_layout
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -158,7 +155,7 @@ class Generator:
         positions = cp_state.get_context_parallel_positions(length, self.layout, device=self.device)
         if not self.first_stage:
             self.model.set_input_tensor(self._from_previous_stage(positions.numel() // self.sp_size))
-            self._route_by(ids[positions][None])  # the first stage's model forward does it
+            self.model.route_by_token_ids(ids[positions][None])  # hash MoE (the first stage's forward does it)
         out = self.model(ids[positions][None] if self.first_stage else None, positions[None], None)
         if not self.last_stage:
             self._to_next_stage(out)  # [s_local / SP, 1, hidden]
@@ -187,7 +184,7 @@ class Generator:
         model = self.model
         cache.position = position  # what a sliding window of the cache measures from
         ids = torch.full((1, self.sp_size), token, device=self.device)
-        self._route_by(ids)
+        model.route_by_token_ids(ids)  # hash MoE: the forward would, but a decode step runs the parts itself
         if self.first_stage:
             hidden = model.embedding(input_ids=ids, position_ids=torch.full_like(ids, position))  # [1, 1, hidden]
         else:
@@ -202,16 +199,10 @@ class Generator:
         if not self.last_stage:
             self._to_next_stage(hidden)
             return None
-        if isinstance(model.decoder.final_layernorm, StreamsFinalNorm):  # V4's streams went on for MTP: collapse
-            hidden = collapse(hidden, model.decoder.layers[-1].hc_head, model.decoder.final_layernorm)
+        hidden = decoder_output(model, hidden)  # V4's streams with MTP: collapsed here
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(hidden, weight=weight)  # [SP copies, 1, vocab / TP]
         return self._vocab(logits[0, 0]).float()
-
-    def _route_by(self, ids: torch.Tensor) -> None:
-        """Hand the hash-routed MoE layers the token ids [1, s] of the tokens this stage runs."""
-        for router in self.hash_routers:
-            router.set_token_ids(ids)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over this TP rank's vocabulary slice -> over the whole vocabulary."""

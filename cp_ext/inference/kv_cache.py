@@ -229,19 +229,17 @@ class ShardedKVCache:
 
         self.compressed[layer] = CompressedLayerCache.from_prefill(kept, spec, rate, group)
 
-    def attend_compressed(self, layer: int, q, kv, compressors, sinks, spec, rate: Optional[int], group,
-                          index_q=None, index_w=None) -> torch.Tensor:
+    def attend_compressed(self, layer: int, q, kv, compressors, sinks, spec, group, index_q=None,
+                          index_w=None) -> torch.Tensor:
         """A DeepSeek-V4 layer's decode step on its share (`CompressedLayerCache.step`): q [H, D], kv [D] rotated at
-        `position`; ``compressors``: the layer's (then its indexer's), each with this token's rows [1, 1, F]."""
+        `position`; ``compressors``: the layer's (then its indexer's), each with the token's rows [copies, 1, F]."""
         from cp_ext.inference.compressed_cache import CompressedLayerCache
 
-        rows = torch.cat([c.rows.reshape(-1) for c in compressors]) if compressors else None
         if layer not in self.compressed:  # start_empty: this layer's first token
-            width = sum(c.width for c in compressors)
-            self.compressed[layer] = CompressedLayerCache.empty(spec, rate, group, kv, rows, width)
+            self.compressed[layer] = CompressedLayerCache.empty(spec, compressors, group, kv)
         cache = self.compressed[layer]
         turn = self.decoded % cache.size == cache.rank
-        return cache.step(q, kv, rows, compressors, sinks, index_q, index_w, self.position, turn)
+        return cache.step(q, kv, compressors, sinks, index_q, index_w, self.position, turn)
 
     def finish_token(self) -> None:
         """Called once per decoded token, after every layer: the next one goes to the next ring rank."""

@@ -197,8 +197,7 @@ class ContextParallelGPTModel(GPTModel):
                 self._dynamic_routing = DynamicRouting(self, self.config)
             self._dynamic_routing.apply(dynamic)
             kwargs["padding_mask"] = dynamic.padding_mask
-        for router in self._hash_routers():  # hash MoE routes each token by its id
-            router.set_token_ids(input_ids)
+        self.route_by_token_ids(input_ids)
         rotary = getattr(self, "rotary_pos_emb", None)
         if rotary is None or not self.batch_position_ids:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
@@ -208,10 +207,13 @@ class ContextParallelGPTModel(GPTModel):
         finally:
             rotary.position_ids = None  # nothing outside a forward sees stale ones
 
-    def _hash_routers(self):
-        if not hasattr(self, "_hash_router_list"):
-            self._hash_router_list = [m for m in self.modules() if isinstance(m, DeepSeekV4Router) and m.is_hash]
-        return self._hash_router_list
+    def route_by_token_ids(self, input_ids) -> None:
+        """Hand this stage's hash-routed MoE layers (DeepSeek-V4's) the ids [b, s] of the tokens it runs: the forward
+        does it; a generator's decode step, which calls the embedding and the decoder itself, does it too."""
+        if not hasattr(self, "_hash_routers"):
+            self._hash_routers = [m for m in self.modules() if isinstance(m, DeepSeekV4Router) and m.is_hash]
+        for router in self._hash_routers:
+            router.set_token_ids(input_ids)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         # megatron-core 0.16.1's GPTModel reads metadata["dp_cp_group"] on an MTP stage that does not embed

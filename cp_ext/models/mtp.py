@@ -268,6 +268,14 @@ class MTPLosses:
         return torch.zeros(num_depths, 2, dtype=torch.float64, device=device) if sums is None else sums.to(device)
 
 
+def decoder_output(model, hidden_states):
+    """The decoder's output as the output layer reads it: under hyper-connections with MTP the decoder hands its
+    streams on (`StreamsFinalNorm`), and here its last layer's head and the final norm collapse them."""
+    if isinstance(model.decoder.final_layernorm, StreamsFinalNorm):
+        return collapse(hidden_states, model.decoder.layers[-1].hc_head, model.decoder.final_layernorm)
+    return hidden_states
+
+
 def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                          rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, attention_mask=None,
                          inference_params=None, packed_seq_params=None, sequence_len_offset=None,
@@ -294,19 +302,15 @@ def postprocess_with_mtp(model, hidden_states, *, input_ids, position_ids, label
             **({"padding_mask": padding_mask} if padding_mask is not None else {}))
     if not model.post_process:
         return hidden_states
-    streams = getattr(model.config, "enable_hyper_connections", False)
-    # hyper-connections: the decoder's and each MTP layer's streams, collapsed by their own head and final norm
-    main = (lambda x: collapse(x, model.decoder.layers[-1].hc_head, model.decoder.final_layernorm)) if streams \
-        else (lambda x: x)
     if labels is None:
-        logits, _ = model.output_layer(main(hidden_states), weight=output_weight,
+        logits, _ = model.output_layer(decoder_output(model, hidden_states), weight=output_weight,
                                        runtime_gather_output=runtime_gather_output)
         return logits.transpose(0, 1).contiguous()
     assert model.config.calculate_per_token_loss, "cp_ext sums the loss per token (cp_ext.config)"
     chunks = list(torch.chunk(hidden_states, 1 + depths, dim=0))
-    if streams:
-        chunks = [main(chunks[0])] + [collapse(x, layer.hc_head, layer.final_layernorm)
-                                      for x, layer in zip(chunks[1:], model.mtp.layers)]
+    if getattr(model.config, "enable_hyper_connections", False):  # each MTP layer's streams: its own head and norm
+        chunks = [decoder_output(model, chunks[0])] + [collapse(x, layer.hc_head, layer.final_layernorm)
+                                                       for x, layer in zip(chunks[1:], model.mtp.layers)]
     hidden_states = chunks[0]
     layout = getattr(model.config, "cp_layout", "zigzag")
     mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask

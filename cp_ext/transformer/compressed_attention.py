@@ -31,7 +31,6 @@ share (`cp_ext.inference.compressed_cache`); a decode step rotates the token's q
 attends them to the CP-sharded cache.
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -196,7 +195,6 @@ class CompressedAttention(MegatronModule):
         self.spec = CompressedAttentionSpec(self.kind, config.csa_window_size,
                                             dim ** -0.5, index_topk=config.dsa_indexer_topk or 0,
                                             dense=self.indexer is None)
-        self.rate = rate
         self.kv_cache = None  # a generation's CP-sharded cache (`cp_ext.inference.kv_cache`), set while it runs
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -252,7 +250,8 @@ class CompressedAttention(MegatronModule):
                                  document_ids=_document_ids(attention_mask, b, s, x.device), group=group,
                                  compressor=compressor, indexer=indexer, rope_inv_freq=self.inv_freq, keep=keep)
         if keep is not None:
-            self.kv_cache.store_compressed(self.layer_number - 1, keep[0], self.spec, self.rate, group)
+            rate = None if self.compressor is None else self.compressor.rate
+            self.kv_cache.store_compressed(self.layer_number - 1, keep[0], self.spec, rate, group)
         out, _ = self.linear_proj(self.linear_o_group_proj(o.flatten(2)))
         return out, None
 
@@ -263,14 +262,13 @@ class CompressedAttention(MegatronModule):
         q_t = interleaved_rope(q[:1, 0], position, self.inv_freq)[0]  # [H_local, D]
         kv_t = interleaved_rope(kv[:1, 0], position, self.inv_freq)[0]  # [D]
         compressors = [] if compressor is None else [compressor] + ([indexer.compressor] if indexer else [])
-        compressors = [dataclasses.replace(c, rows=c.rows[:1]) for c in compressors]
         index_q = index_w = None
         if indexer is not None:
             index_q = interleaved_rope(indexer.q[:1, 0], position, indexer.compressor.inv_freq)[0]
             index_w = indexer.weights[0, 0]
         cp = parallel_state.get_context_parallel_world_size()
         group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        o = self.kv_cache.attend_compressed(self.layer_number - 1, q_t, kv_t, compressors, sinks, self.spec,
-                                            self.rate, group, index_q, index_w)
+        o = self.kv_cache.attend_compressed(self.layer_number - 1, q_t, kv_t, compressors, sinks, self.spec, group,
+                                            index_q, index_w)
         o = interleaved_rope(o[None], position, self.inv_freq, inverse=True)  # [1, H_local, D]
         return o.unsqueeze(1).expand(q.shape[0], -1, -1, -1)
