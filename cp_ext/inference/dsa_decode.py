@@ -33,7 +33,7 @@ def global_topk(state: RunningTopK, group, size: int):
         k = values.shape[-1]
         values = torch.cat([p[..., :k] for p in parts], dim=-1)
         positions = torch.cat([p[..., k:] for p in parts], dim=-1).to(torch.int64)
-    best = RunningTopK._canonical_order(values, positions)[..., :state.k]
+    best = RunningTopK._best(values, positions, state.k)
     return positions.gather(-1, best)[:, 0]  # [b, k], -1 where fewer keys exist
 
 

@@ -297,6 +297,29 @@ def test_single_process_ties_lowest_position_wins_in_any_row_order():
     check(compare(*shuffled, perm, dense, order, 10), exact=True)
 
 
+@pytest.mark.quick
+def test_packed_selection_orders_as_the_sort():
+    """fp32's one-pass selection (score and position packed in one int64, `topk`) picks and orders exactly
+    what the two stable sorts pick: negative, zero, subnormal, tied and -inf scores, many positions."""
+    import torch
+
+    from cp_ext.attention.dsa.indexer import RunningTopK
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.randint(-4, 5, (3, 40, 300), generator=g).float() * 0.25
+    values[0] *= 1e-40  # subnormals
+    values[1, :, ::7] = float("-inf")
+    values[2, :, 50:] = torch.randn(40, 250, generator=g) * 1e30
+    positions = torch.stack([torch.randperm(1 << 20, generator=g)[:300] for _ in range(3 * 40)]).view(3, 40, 300)
+    positions = positions.masked_fill(values == float("-inf"), -1)
+    for k in (1, 17, 300):
+        packed = RunningTopK._best(values, positions, k)
+        sorted_ = RunningTopK._canonical_order(values, positions)[..., :k]
+        finite = values.gather(-1, sorted_) > float("-inf")
+        assert torch.equal(values.gather(-1, packed), values.gather(-1, sorted_))
+        assert torch.equal(positions.gather(-1, packed)[finite], positions.gather(-1, sorted_)[finite])
+
+
 def test_broken_merge_or_tie_rule_fails_the_checks(monkeypatch):
     """The checks above can fail: a merge that drops the running state, and a tie rule that keeps
     arrival order, are both caught."""
@@ -319,9 +342,10 @@ def test_broken_merge_or_tie_rule_fails_the_checks(monkeypatch):
 
     inputs, dense, order = tie_inputs(S, torch.float32)
     perm = torch.randperm(S, generator=torch.Generator().manual_seed(3))
-    arrival_order = staticmethod(lambda values, positions: values.argsort(dim=-1, descending=True, stable=True))
+    arrival_order = classmethod(lambda cls, values, positions, k:
+                                values.argsort(dim=-1, descending=True, stable=True)[..., :k])
     with monkeypatch.context() as m:
-        m.setattr(RunningTopK, "_canonical_order", arrival_order)
+        m.setattr(RunningTopK, "_best", arrival_order)
         with pytest.raises(AssertionError):
             check(compare(*_cp1([t[perm] for t in inputs], 10, q_positions=perm), perm, dense, order, 10), exact=True)
 
