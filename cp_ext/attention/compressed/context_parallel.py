@@ -32,6 +32,7 @@ from cp_ext.attention.compressed.exchange import fetch_rows, gather_entries
 from cp_ext.attention.compressed.plan import SequencePlan
 from cp_ext.attention.compressed.selection import select_entries
 from cp_ext.attention.cp.primitives import accum_dtype
+from cp_ext.attention.dsa.sparse_tiles import check_path
 from cp_ext.attention.masks.documents import gather_parts
 
 KINDS = ("sliding", "hca", "csa")
@@ -41,7 +42,9 @@ KINDS = ("sliding", "hca", "csa")
 class CompressedAttentionSpec:
     """A V4 layer type: ``kind`` (sliding window only, heavily compressed, compressed sparse), the window,
     the softmax scale (``head_dim ** -0.5``), and CSA's ``index_topk`` (``dense``: CSA reads every complete
-    entry, no indexer: ``--csa-dense-mode``); tiles bound the memory."""
+    entry, no indexer: ``--csa-dense-mode``); tiles bound the memory. ``sparse_path``: how a CSA tile reads
+    its selected entries (`cp_ext.attention.dsa.sparse_tiles`: ``auto`` by the count, or ``gather`` /
+    ``union``)."""
 
     kind: str
     window: int
@@ -50,6 +53,7 @@ class CompressedAttentionSpec:
     dense: bool = False
     query_tile: int = 256
     key_tile: int = 4096
+    sparse_path: str = "auto"
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -58,6 +62,7 @@ class CompressedAttentionSpec:
             raise ValueError(f"the sliding window must be >= 1, got {self.window}")
         if self.kind == "csa" and not self.dense and self.index_topk < 1:
             raise ValueError(f"CSA's index_topk must be >= 1, got {self.index_topk}")
+        check_path(self.sparse_path)
 
 
 @dataclass
@@ -176,5 +181,6 @@ def _one_sample(q, kv, sinks, spec, plan, rank, group, b, compressor, indexer, r
                                        spec.query_tile, spec.key_tile)
     out = attend(q.to(acc), positions, doc[positions], keys.to(acc), key_positions, key_doc[key_positions], sinks,
                  window=spec.window, scale=spec.scale, entries=entries, entry_positions=entry_positions,
-                 entry_docs=entry_docs, selection=selection, query_tile=spec.query_tile)
+                 entry_docs=entry_docs, selection=selection, query_tile=spec.query_tile,
+                 sparse_path=spec.sparse_path)
     return out if rope_inv_freq is None else interleaved_rope(out, offset, rope_inv_freq, inverse=True)

@@ -47,24 +47,37 @@ class KeyBlock:
         self.lookup = torch.full((seq_len,), -1, dtype=torch.int64, device=msg.device)
         self.lookup[positions] = torch.arange(positions.numel(), device=msg.device)
 
+    def columns(self, selected: torch.Tensor) -> torch.Tensor:
+        """The block row of each of ``selected`` [b, T, k] (global positions, -1 padding): [b, T, k], -1
+        where the key is padding or in another block."""
+        return torch.where(selected >= 0, self.lookup[selected.clamp(min=0)], -1)
+
     def selected_columns(self, selected: torch.Tensor) -> Optional[torch.Tensor]:
         """The block rows of ``selected`` [b, T, k] (global positions, -1 padding) that are in this block:
         [b, T, m], -1 padding; None when no query selects any."""
-        return _compact(torch.where(selected >= 0, self.lookup[selected.clamp(min=0)], -1))
+        return compact(self.columns(selected))
 
     def causal_columns(self, q_positions: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
         """The block rows at or before each query at ``q_positions`` [T]: [b, T, m], -1 padding; or None."""
         rows = torch.arange(self.positions.numel(), device=self.msg.device)
         cols = torch.where(self.positions.view(1, -1) <= q_positions.view(-1, 1), rows, -1)
-        return _compact(cols.unsqueeze(0).expand(batch, -1, -1))
+        return compact(cols.unsqueeze(0).expand(batch, -1, -1))
 
     def gather(self, cols: torch.Tensor) -> torch.Tensor:
-        """[b, T, m, width]: the rows ``cols`` (clamped; the caller masks the padding)."""
-        batch = torch.arange(cols.shape[0], device=cols.device).view(-1, 1, 1)
-        return self.msg[batch, cols.clamp(min=0)]
+        """[b, T, m, width]: the rows ``cols`` [b, T, m] (clamped; the caller masks the padding)."""
+        b, n, w = self.msg.shape
+        batch = torch.arange(b, device=cols.device).view((-1,) + (1,) * (cols.dim() - 1))
+        arrived = self.msg.transpose(0, 1)  # [n, b, w]: the layout blocks arrive in
+        if not arrived.is_contiguous():
+            return self.msg[batch, cols.clamp(min=0)]
+        # one index_select of whole rows: 2-3x faster than advanced indexing on the CPU
+        rows = cols.clamp(min=0) * b + batch
+        return arrived.view(n * b, w).index_select(0, rows.reshape(-1)).view(*cols.shape, w)
 
 
-def _compact(cols: torch.Tensor) -> Optional[torch.Tensor]:
+def compact(cols: torch.Tensor) -> Optional[torch.Tensor]:
+    """``cols`` [b, T, k] (-1 padding) with each row's columns first, cut to the largest count ``m``:
+    [b, T, m]; None when there are none."""
     m = int((cols >= 0).sum(-1).max()) if cols.numel() else 0
     if m == 0:
         return None

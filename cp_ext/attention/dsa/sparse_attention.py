@@ -15,15 +15,16 @@ values); the absorption on either side is plain differentiable tensor algebra
 (`cp_ext.transformer.dsa`). So what a CP rank sends is what the dense ring's latent exchange sends,
 ``r + p`` values per token, and the work per query is k keys, not s.
 
-**Sparse tiles.** For a tile of ``query_tile`` queries and one key block (a ring step's block, or the
-gathered sequence), each query's selected keys that lie in the block are looked up (global position ->
-block row), compacted to the tile's largest count ``m``, and gathered: ``[b, T, m, d_qk]``, scored
-``[b, h, T, m]`` in fp32, and merged into the running (out, LSE) with the LSE rule
-(`cp_ext.attention.cp.primitives.update_out_and_lse`). A tile with no selected key in the block computes
-nothing. The backward recomputes each tile's probabilities from the final LSE (as the dense ring does),
-and scatter-adds the gathered keys' gradient into the block's gradient, which rides home with the block
-(ring) or is reduce-scattered (all-gather). Every query has at least one selected key (itself), so no
-row is empty once all blocks are in.
+**Sparse tiles.** For a tile of queries and one key block (a ring step's block, or the gathered
+sequence), each query's selected keys that lie in the block are looked up (global position -> block
+row) and read one of two ways (`cp_ext.attention.dsa.sparse_tiles`, picked per tile by the count): each
+query's own rows gathered (``[b, T, m, d_qk]``), or the union of the tile's rows gathered once and
+scored for every head and query in one GEMM, the unselected pairs masked. Scores are fp32 and merged into
+the running (out, LSE) with the LSE rule (`cp_ext.attention.cp.primitives.update_out_and_lse`). A tile
+with no selected key in the block computes nothing. The backward recomputes each tile's probabilities
+from the final LSE (as the dense ring does), and scatter-adds the keys' gradient into the block's
+gradient, which rides home with the block (ring) or is reduce-scattered (all-gather). Every query has at
+least one selected key (itself), so no row is empty once all blocks are in.
 
 **Exactness.** Which keys a query attends to is the selection alone (``selected``: global positions,
 -1 for padding), the same on every layout; causality is in the selection. The result differs from a
@@ -35,41 +36,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.dsa.key_block_ring import KeyRingSchedule, key_blocks, key_blocks_with_grads, scatter_add
+from cp_ext.attention.dsa.key_block_ring import KeyRingSchedule, key_blocks, key_blocks_with_grads
+from cp_ext.attention.dsa.sparse_tiles import check_path, plan_tile, query_tiles
 from cp_ext.attention.cp.primitives import accum_dtype, update_out_and_lse
 
 DEFAULT_QUERY_TILE = 256  # one tile's gathered keys: [b, 256, m, d_qk]; 1.2 GiB fp32 at k = m = 2048, d_qk = 576
 
 
-def _tile_forward(q, keys, cols, scale, d_v):
-    """(out [b, h, T, d_v], lse [b, h, T]) of queries q [b, h, T, d] over the gathered ``keys``."""
-    acc = accum_dtype(q.dtype)
-    scores = torch.einsum("bhtd,btmd->bhtm", q.to(acc), keys.to(acc)).mul_(scale)
-    scores.masked_fill_((cols < 0).unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a query with no key in this block: lse -inf, p 0
-    return torch.einsum("bhtm,btmv->bhtv", p, keys[..., :d_v].to(acc)), lse
-
-
-def _tile_backward(dout, q, out, lse, keys, cols, scale, d_v):
-    """(dq [b, h, T, d], d keys [b, T, m, d_qk]) of one tile, from the final ``out``/``lse``."""
-    acc = accum_dtype(q.dtype)
-    qa, ka, do = q.to(acc), keys.to(acc), dout.to(acc)
-    scores = torch.einsum("bhtd,btmd->bhtm", qa, ka).mul_(scale)
-    scores.masked_fill_((cols < 0).unsqueeze(1), float("-inf"))
-    p = torch.exp(scores - lse.unsqueeze(-1))
-    delta = (do * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dout * out)
-    ds = p * (torch.einsum("bhtv,btmv->bhtm", do, ka[..., :d_v]) - delta)
-    dq = torch.einsum("bhtm,btmd->bhtd", ds, ka).mul_(scale)
-    dkeys = torch.einsum("bhtm,bhtd->btmd", ds, qa).mul_(scale)
-    dkeys[..., :d_v] += torch.einsum("bhtm,bhtv->btmv", p, do)
-    return dq, dkeys
-
-
 class _Args:
     """What forward and backward share: where this rank's queries and keys are, the selection, the scale."""
 
-    def __init__(self, q, kv, selected, softmax_scale, v_head_dim, group, layout, mode, positions, query_tile):
+    def __init__(self, q, kv, selected, softmax_scale, v_head_dim, group, layout, mode, positions, query_tile, path):
         s, b = q.shape[:2]
         if q.dim() != 4 or kv.shape != (s, b, q.shape[3]) or selected.dim() != 3 or selected.shape[:2] != (b, s):
             raise ValueError(f"expected q [s, b, h, d], kv [s, b, d] and selected [b, s, k]; got q {tuple(q.shape)}, "
@@ -79,51 +56,60 @@ class _Args:
         self.plan = KeyRingSchedule(s, q.device, group=group, layout=layout, mode=mode, positions=positions,
                             query_tile=query_tile)
         self.scale, self.d_v, self.selected = softmax_scale, v_head_dim, selected.to(torch.int64)
+        self.heads, self.path = q.shape[2], check_path(path)
+
+    def tiles(self, block):
+        """(query rows, `GatherTile` or `UnionTile`) of every tile that selected a key in ``block``."""
+        for rows in self.plan.tiles:
+            for part in query_tiles(rows, self.heads, self.path):
+                tile = plan_tile(block, self.selected[:, part], self.heads, self.path)
+                if tile is not None:
+                    yield part, tile
 
 
 def sparse_forward(args: _Args, q, kv):
-    """q [b, h, s, d], kv [s, b, d] -> (out [b, h, s, d_v] in q.dtype, lse [b, h, s] fp32)."""
+    """q [b, s, h, d], kv [s, b, d] -> (out [b, s, h, d_v] in q.dtype, lse [b, s, h] fp32)."""
     acc = accum_dtype(q.dtype)
     out = torch.zeros(q.shape[:3] + (args.d_v,), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    merged = set()  # tiles with a result: a tile's first block is stored, not merged
     for block in key_blocks(args.plan, kv):
-        for rows in args.plan.tiles:
-            cols = block.selected_columns(args.selected[:, rows])
-            if cols is not None:
-                o, l = _tile_forward(q[:, :, rows], block.gather(cols), cols, args.scale, args.d_v)
-                update_out_and_lse(out, lse, o, l, rows)
+        for rows, tile in args.tiles(block):
+            o, l = tile.forward(q[:, rows], args.scale, args.d_v)
+            if rows.start in merged:
+                update_out_and_lse(out.transpose(1, 2), lse.transpose(1, 2), o.transpose(1, 2), l.transpose(1, 2),
+                                   rows)
+            else:
+                out[:, rows], lse[:, rows] = o, l
+                merged.add(rows.start)
     return out.to(q.dtype), lse
 
 
 def sparse_backward(args: _Args, dout, q, kv, out, lse):
-    """(dq [b, h, s, d], dkv [s, b, d]) of `sparse_forward`."""
+    """(dq [b, s, h, d], dkv [s, b, d]) of `sparse_forward`."""
     acc = accum_dtype(q.dtype)
     dq, dkv = torch.zeros(q.shape, dtype=acc, device=q.device), []
     for block, dblock in key_blocks_with_grads(args.plan, kv, acc, dkv):
-        for rows in args.plan.tiles:
-            cols = block.selected_columns(args.selected[:, rows])
-            if cols is not None:
-                dq_t, dkeys = _tile_backward(dout[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                             block.gather(cols), cols, args.scale, args.d_v)
-                dq[:, :, rows] += dq_t
-                scatter_add(dblock, cols, dkeys)
+        for rows, tile in args.tiles(block):
+            dq[:, rows] += tile.backward(dout[:, rows], q[:, rows], out[:, rows], lse[:, rows], args.scale, args.d_v,
+                                         dblock)
     return dq.to(q.dtype), dkv[0].to(kv.dtype)
 
 
 class SparseAttnFunc(torch.autograd.Function):
+    # [s, b, ...] <-> [b, s, ...]: a view at b = 1, so a tile's queries and heads are one [T h, d] matrix
     @staticmethod
     def forward(ctx, q, kv, args):
-        qk = q.permute(1, 2, 0, 3)  # [b, h, s, d]
-        out, lse = sparse_forward(args, qk, kv)
+        out, lse = sparse_forward(args, q.transpose(0, 1), kv)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.args = args
-        return out.permute(2, 0, 1, 3)  # [s, b, h, d_v]
+        return out.transpose(0, 1)  # [s, b, h, d_v]
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = sparse_backward(ctx.args, dout.permute(1, 2, 0, 3), q.permute(1, 2, 0, 3), kv, out, lse)
-        return dq.permute(2, 0, 1, 3), dkv, None
+        dq, dkv = sparse_backward(ctx.args, dout.transpose(0, 1), q.transpose(0, 1), kv, out, lse)
+        return dq.transpose(0, 1), dkv, None
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
@@ -147,7 +133,7 @@ def up_project_output(out_latent: torch.Tensor, up_weight: torch.Tensor, d_nope:
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, selected: torch.Tensor, *, softmax_scale: float,
                      v_head_dim: int, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                      mode: str = "ring", positions: Optional[torch.Tensor] = None,
-                     query_tile: int = DEFAULT_QUERY_TILE) -> torch.Tensor:
+                     query_tile: int = DEFAULT_QUERY_TILE, path: str = "auto") -> torch.Tensor:
     """Each query of this CP rank attends to its ``selected`` keys of the whole sequence (MQA mode).
 
     q [s, b, h, d]: this rank's queries (in the latent's space: module docstring); kv [s, b, d]: this rank's
@@ -156,7 +142,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, selected: torch.Tensor, 
     ``group``: the CP group (None: one process holds the sequence); ``mode``: ``ring`` (``layout`` zigzag or
     contiguous: the ring's own positions) or ``all_gather`` (any layout, given ``positions`` [s], the global
     positions of this rank's tokens). Returns out [s, b, h, v_head_dim] in q's dtype; differentiable in q
-    and kv.
+    and kv. ``path``: how tiles read their keys (`cp_ext.attention.dsa.sparse_tiles`): ``auto`` picks per tile
+    by the count, ``gather`` or ``union`` force one (the same result up to float rounding).
     """
-    args = _Args(q, kv, selected, softmax_scale, v_head_dim, group, layout, mode, positions, query_tile)
+    args = _Args(q, kv, selected, softmax_scale, v_head_dim, group, layout, mode, positions, query_tile, path)
     return SparseAttnFunc.apply(q, kv, args)

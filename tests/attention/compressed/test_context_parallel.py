@@ -11,7 +11,8 @@ from several ranks); queries before the first complete block read only their win
 
 Each rank records the max |error| of the output and of every gradient (q, kv, sinks, the compressor's rows,
 position bias and norm weight) at its positions against float64 truth, and CSA's selection against the
-reference's. Bounds: within 2x the single-device fp32 error of the reference run in fp32, plus one fp32
+reference's; two more CSA cases read the selected entries each way (each query's own, the tile's union). Bounds:
+within 2x the single-device fp32 error of the reference run in fp32, plus one fp32
 ulp of the largest true value (`tests.attention.bounds.check_twice_single_device`); the fp64 cases
 within 1e-10. The indexer inputs make two entries in three score exactly 0 (`reference.inputs`): the
 test asserts that exact ties at the k-th/(k+1)-th place occur and that elsewhere the gap is wide enough
@@ -46,10 +47,13 @@ def _cases():
                                            ("hca", 4, "contiguous", False, False), ("sliding", 2, "zigzag", False, False)]:
         cases.append(dict(kind=kind, cp=cp, layout=layout, s=44 if layout == "contiguous" else 40, window=8,
                           docs=True, dtype="fp32", dense=dense, sinks=sinks))
+    # CSA's selected entries read each way (`sparse_tiles`): each query's own, and the tile's union
+    for path in ("gather", "union"):
+        cases.append(dict(kind="csa", cp=4, layout="zigzag", s=40, window=8, docs=False, dtype="fp32", path=path))
     for c in cases:
         c["name"] = (f"{c['kind']}-cp{c['cp']}-{c['layout']}-s{c['s']}-w{c['window']}-{c['dtype']}"
                      + ("-docs" if c["docs"] else "") + ("-dense" if c.get("dense") else "")
-                     + ("-nosink" if not c.get("sinks", True) else ""))
+                     + ("-nosink" if not c.get("sinks", True) else "") + (f"-{c['path']}" if "path" in c else ""))
     return cases
 
 
@@ -81,7 +85,7 @@ def run_layer(t, case, positions, group, document_ids=None, rope_inv_freq=None):
                  else v) for k, v in t.items()}
     dense = case.get("dense", False)
     spec = CompressedAttentionSpec(kind, case["window"], D ** -0.5, index_topk=TOPK, dense=dense, query_tile=5,
-                                   key_tile=3)
+                                   key_tile=3, sparse_path=case.get("path", "auto"))
     comp = indexer = None
     if kind != "sliding":
         comp = Compressor(local["comp_rows"].unsqueeze(1), RATES[kind], D, kind == "csa", local["comp_bias"],
