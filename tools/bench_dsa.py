@@ -15,6 +15,7 @@ Also reported: the ring bytes per rank, counted at the call sites in every timed
 the formula) and the query-key pairs each computes; each rank's peak resident memory through the timed runs;
 from one more (untimed) indexer top-k, its allocation peak and resident high-water mark (the largest rank's)
 against the fp32 ``[s, b, H, s]`` scores megatron-core 0.16.1 builds.
+Each op against its counted floor, at several s/k, at CP = 1 and on the ring: tools/bench_dsa_floor.py.
 ``--dense none`` runs DSA alone (long sequences: ``--seq-length 65536`` on 4 ranks). ``--check`` (short
 sequences) also runs DSA with every causal key selected (top-k = s), which must give dense's gradients.
 """

@@ -4,6 +4,7 @@
   the latent, out and the gradients of q_nope, q_pe, c, k_pe, W_up, on the device, against float64 dense
   masked per-head MLA on the CPU (tests/attention/dsa/test_sparse_attention.py's model and reference); the selection must
   be the reference's.
+* ``dsa sparse attention timing``: DSA and dense MLA timed on the device, each beside its counted floor.
 * ``dsa indexer loss dense|sparse-k20``: the indexer loss and the gradients of the indexer's q, w, k on the
   device against float64 (tests/attention/dsa/test_indexer_loss.py's model and reference).
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tests.attention.bounds import FP32_ULP
-from tests.gpu.rows import PASS, judge
+from tests.gpu.rows import FAIL, PASS, judge, row
 
 pytestmark = pytest.mark.gpu
 
@@ -65,4 +66,21 @@ def test_dsa_indexer_loss(report, device, topk):
     err, max_truth = _errors(got, truth, loss.TENSORS)
     ref_err, _ = _errors(ref, truth, loss.TENSORS)
     r = report.add(judge("single", check, "fp32", err, _with_ulp(ref_err, max_truth), max_truth))
+    assert r["status"] == PASS, r
+
+
+def test_dsa_timing_against_dense(report, device):
+    """``dsa sparse attention timing``: DSA (the indexer's top-k, the sparse attention, fwd + bwd) against dense
+    causal MLA with per-head K/V on this device, at V3.2's 128 heads (s = 8192, k = 512 on a GPU; a toy size on
+    the CPU), each time beside its counted floor (`cp_ext.bench.dsa_floor`). A measurement, not a judgement:
+    the row passes when both ran and their gradients are finite; the figures are in its detail."""
+    from cp_ext.bench.dsa_floor import time_single_device
+
+    report.start("single", "dsa sparse attention timing")
+    big = device.type == "cuda"
+    res = time_single_device(device, s=8192 if big else 256, topk=512 if big else 32, heads=128 if big else 8,
+                             index_heads=64 if big else 4)
+    r = report.add(row("single", "dsa sparse attention timing", PASS if res["finite"] else FAIL,
+                       f"sparse {res['sparse_over_floor']:.2f}x floor; dsa / dense {res['dsa_over_dense']:.3f}",
+                       f"counted dsa / dense {res['counted_dsa_over_dense']:.3f}", **res))
     assert r["status"] == PASS, r
