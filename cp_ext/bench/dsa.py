@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cp_ext.attention.cp.context_parallel import ring_attention
+from cp_ext.attention.cp.context_parallel import local_attention, ring_attention
 from cp_ext.attention.dsa.indexer import indexer_topk
 from cp_ext.attention.cp.ring import ring_positions
 from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
@@ -185,14 +185,21 @@ def run_dsa(x, shape, *, topk, group, layout, timings=None, mark=None):
 
 
 def run_dense(x, shape, *, exchange, group, layout, mark=None):
-    """Dense MLA causal ring attention fwd + bwd (``exchange`` latent or kv); the grads as `run_dsa`."""
+    """Dense MLA causal ring attention fwd + bwd (``exchange`` latent or kv); the grads as `run_dsa`.
+    ``group`` None: one process, no process group, per-head K/V only (`local_attention`)."""
+    if group is None and exchange != "kv":
+        raise ValueError("dense MLA without a process group runs per-head K/V only (exchange='kv')")
     q_nope, q_pe, latent, w_up = _leaves(x)
     h, dn, dv, r = shape["h"], shape["dn"], shape["dv"], shape["r"]
     q = torch.cat([q_nope, q_pe], dim=-1)
     if exchange == "kv":
         kv = (latent[..., :r] @ w_up.t()).unflatten(-1, (h, dn + dv))
         k = torch.cat([kv[..., :dn], latent[..., None, r:].expand(-1, -1, h, -1)], -1)
-        out = ring_attention(q, k, kv[..., dn:], causal=True, softmax_scale=shape["scale"], group=group, layout=layout)
+        if group is None:
+            out = local_attention(q, k, kv[..., dn:].contiguous(), causal=True, softmax_scale=shape["scale"])
+        else:
+            out = ring_attention(q, k, kv[..., dn:], causal=True, softmax_scale=shape["scale"], group=group,
+                                 layout=layout)
     else:
         out = ring_attention(q, latent, None, up_weight=w_up, causal=True, softmax_scale=shape["scale"], group=group,
                              layout=layout)

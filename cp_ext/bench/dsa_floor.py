@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_ext.attention.dsa.indexer import SCORE_ROWS, indexer_topk
+from cp_ext.attention.dsa.indexer import DEFAULT_KEY_TILE, DEFAULT_QUERY_TILE, SCORE_ROWS, indexer_topk
 from cp_ext.attention.dsa.sparse_attention import absorb_query, sparse_attention, up_project_output
 from cp_ext.attention.dsa.sparse_tiles import UNION_ROWS
 from cp_ext.attention.cp.ring import ring_positions
@@ -60,14 +60,17 @@ def gemm_shapes(shape, topk, key_tile):
             "dense": (2048, dqk, 2048)}
 
 
-def gemm_rate(m, k, n, reps=3):
+def gemm_rate(m, k, n, reps=3, device="cpu"):
     """Best multiply-adds per second of an fp32 ``[m, k] @ [k, n]`` on this process, over ``reps`` runs."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     a @ b
     best = float("inf")
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - t0)
     return m * k * n / best
 
@@ -89,22 +92,26 @@ def overlap_inputs(x, shape, noise, seed=7):
 
 
 class Case:
-    """One (s, k, CP) point: this rank's inputs and the four timed calls."""
+    """One (s, k, CP) point: this rank's inputs and the timed calls. ``group`` None: one process, no
+    process group (the GPU check's timing row; dense then runs per-head K/V only)."""
 
-    def __init__(self, shape, *, s, topk, group, layout, selection, noise, key_tile, query_tile, path):
+    def __init__(self, shape, *, s, topk, group, layout="zigzag", selection="overlapping", noise=0.2,
+                 key_tile=DEFAULT_KEY_TILE, query_tile=DEFAULT_QUERY_TILE, path="auto", device="cpu"):
         self.shape, self.topk, self.group, self.layout, self.path = shape, topk, group, layout, path
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         self.s_local = s // size
         self.sh = dict(shape, s_local=self.s_local)
         self.x = make_inputs(self.sh, torch.float32, rank)
         if selection == "overlapping":
             overlap_inputs(self.x, self.sh, noise)
+        self.x = {k: v.to(device) for k, v in self.x.items()}
         self.positions = torch.tensor(ring_positions(self.s_local, rank, size, layout) if size > 1 else
-                                      range(s), dtype=torch.int64)
+                                      range(s), dtype=torch.int64, device=device)
         self.key_tile, self.query_tile = key_tile, query_tile
         self.selected = self.select()
         self.q = absorb_query(self.x["q_nope"], self.x["q_pe"], self.x["w_up"]).detach()
-        self.dout_latent = torch.randn(self.q.shape[:3] + (shape["r"],), generator=torch.Generator().manual_seed(3))
+        self.dout_latent = torch.randn(self.q.shape[:3] + (shape["r"],),
+                                       generator=torch.Generator().manual_seed(3)).to(device)
 
     def select(self):
         x = self.x
@@ -128,15 +135,15 @@ class Case:
                                v_head_dim=self.sh["r"], group=self.group, layout=self.layout, mode="ring",
                                path=self.path)
         up_project_output(out, w_up, self.sh["dn"]).backward(self.x["dout"])
+        return [t.grad for t in leaves]
 
     def dense(self, exchange):
-        run_dense(self.x, self.sh, exchange=exchange, group=self.group, layout=self.layout)
+        return list(run_dense(self.x, self.sh, exchange=exchange, group=self.group, layout=self.layout))
 
     def counts(self):
         """Selected and union pairs of this rank's sparse attention, and its queries' causal pairs."""
         with count_work() as w:
-            q = self.q.clone()
-            sparse_attention(q, self.x["latent"], self.selected, softmax_scale=self.sh["scale"],
+            sparse_attention(self.q, self.x["latent"], self.selected, softmax_scale=self.sh["scale"],
                              v_head_dim=self.sh["r"], group=self.group, layout=self.layout, mode="ring",
                              path=self.path)
         return {"selected": w.bytes["pairs"], "union": w.bytes.get("union_pairs", 0),
@@ -172,62 +179,29 @@ def median(xs):
 
 def time_single_device(device, *, s, topk, heads, index_heads, reps=2):
     """One device, no process group (tools/gpu_check.py's DSA timing row): the best of ``reps`` of the
-    indexer's top-k plus the sparse attention (fwd + bwd, ``dsa``), of the sparse attention alone, and of dense
-    causal MLA with per-head K/V (``dense``), with the GEMM rate and counted floors."""
-    from cp_ext.attention.cp.context_parallel import local_attention
-
-    shape = dict(b=1, s_local=s, h=heads, dn=128, p=64, dv=128, r=512, index_heads=index_heads, index_dim=128,
-                 scale=192 ** -0.5)
-    x = {k: v.to(device) for k, v in overlap_inputs(make_inputs(shape, torch.float32, 0), shape, 0.2).items()}
-    positions = torch.arange(s, device=device)
-    h, r, p, dn, dv = heads, 512, 64, 128, 128
+    indexer's top-k, the sparse attention alone, DSA's layer core and dense causal MLA with per-head K/V
+    (fwd + bwd each), with the GEMM rate on the sparse attention's shapes and the counted floors."""
+    shape = dict(b=1, h=heads, dn=128, p=64, dv=128, r=512, index_heads=index_heads, index_dim=128, scale=192 ** -0.5)
+    case = Case(shape, s=s, topk=topk, group=None, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def select():
-        return indexer_topk(x["index_q"], x["index_w"], x["index_k"], topk=topk, q_positions=positions)[0]
-
-    q0 = absorb_query(x["q_nope"], x["q_pe"], x["w_up"]).detach()
-    dout = torch.randn(q0.shape[:3] + (r,), device=device)
-    finite = []
-
-    def sparse(selected):
-        q, latent = q0.clone().requires_grad_(), x["latent"].detach().clone().requires_grad_()
-        sparse_attention(q, latent, selected, softmax_scale=shape["scale"], v_head_dim=r).backward(dout)
-        finite.append(bool(q.grad.isfinite().all() and latent.grad.isfinite().all()))
-
-    def dense():
-        kv = (x["latent"][..., :r] @ x["w_up"].t()).unflatten(-1, (h, dn + dv))
-        q = torch.cat([x["q_nope"], x["q_pe"]], -1).requires_grad_()
-        k = torch.cat([kv[..., :dn], x["latent"][..., None, r:].expand(-1, -1, h, -1)], -1).requires_grad_()
-        v = kv[..., dn:].contiguous().requires_grad_()
-        local_attention(q, k, v, causal=True, softmax_scale=shape["scale"]).backward(x["dout"])
-        finite.append(bool(q.grad.isfinite().all() and k.grad.isfinite().all()))
-
-    selected = select()
-    calls = {"indexer": select, "sparse": lambda: sparse(selected), "dsa": lambda: sparse(select()), "dense": dense}
+    calls = {"indexer": case.select, "sparse": case.sparse, "dsa": case.dsa, "dense": lambda: case.dense("kv")}
     best = {}
     for name, fn in calls.items():
-        fn()
-        sync()
+        fn()  # warm-up
         times = []
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             fn()
             sync()
             times.append(time.perf_counter() - t0)
         best[name] = min(times)
-    with count_work() as w:
-        sparse_attention(q0, x["latent"], selected, softmax_scale=shape["scale"], v_head_dim=r)
-    macs = counted_macs(dict(shape, dv=dv, dn=dn, p=p), selected_pairs=w.bytes["pairs"], causal_pairs=s * (s + 1) // 2)
-    a, b = torch.randn(4096, r + p, device=device), torch.randn(r + p, topk, device=device)
-    a @ b
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    sync()
-    rate = 5 * 4096 * (r + p) * topk / (time.perf_counter() - t0)
+    counts = case.counts()
+    macs = counted_macs(shape, selected_pairs=counts["selected"], causal_pairs=counts["causal"])
+    m, k, n = gemm_shapes(shape, topk, DEFAULT_KEY_TILE)["sparse"]
+    rate = gemm_rate(m, k, n, device=device)
+    finite = all(bool(t.isfinite().all()) for t in case.dense("kv") + case.dsa())
     return {"device": str(device), "s": s, "topk": topk, "heads": heads, "seconds": best, "gemm_macs_per_s": rate,
             "counted_macs": macs, "sparse_over_floor": best["sparse"] / (macs["sparse"] / rate),
             "dsa_over_dense": best["dsa"] / best["dense"],
-            "counted_dsa_over_dense": (macs["sparse"] + macs["indexer"]) / macs["dense"], "finite": all(finite)}
+            "counted_dsa_over_dense": (macs["sparse"] + macs["indexer"]) / macs["dense"], "finite": finite}

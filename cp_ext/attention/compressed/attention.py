@@ -10,9 +10,9 @@ For a query ``t`` with heads ``q_h`` and one K=V head::
 ``entries(t)``: HCA, every complete entry of the document with key position <= t; CSA, the indexer's
 selection (`selection.select_entries`), read as DSA's sparse attention reads its keys
 (`cp_ext.attention.dsa.sparse_tiles`): each query's own entries gathered, or the union of the tile's
-selections once with the unselected masked, whichever the count says is cheaper; sliding layers, none. This is transformers'
-``eager_attention_forward`` with V4's sliding mask and block bias. Computed per tile of queries in
-the accumulation dtype (fp32, fp64 for fp64 inputs) with torch autograd: a tile's window keys are
+selections once with the unselected masked, whichever the count says is cheaper; sliding layers, none.
+This is transformers' ``eager_attention_forward`` with V4's sliding mask and block bias. Computed per tile
+of queries in the accumulation dtype (fp32, fp64 for fp64 inputs) with torch autograd: a tile's window keys are
 one slice of this rank's key table (its own rows and the fetched halo, in position order), and each
 tile is recomputed in the backward (`torch.utils.checkpoint`), so what stays alive between the passes
 is the inputs, not a tile's scores or CSA's gathered entries (query_tile x topk x D values a tile).

@@ -160,8 +160,8 @@ def _runs(positions: List[int], tile: int) -> List[Tuple[slice, int, int]]:
 def _score_block(state: RunningTopK, q, w, q_runs, k_block, key_positions: List[int], key_tile: int) -> None:
     """Score this rank's queries (``q_runs``) against one key block [b, sk, D] tile by tile, skipping
     tile pairs whose keys all come after all their queries, and cutting a key tile whose positions rise
-    (every layout's do) where they pass the query tile's last position: what is scored is the causal
-    pairs plus the triangle above each query tile's diagonal, not whole key tiles past it."""
+    where they pass the query tile's last position: what is scored is the causal pairs plus the triangle
+    above each query tile's diagonal, not whole key tiles past it."""
     device_positions = torch.tensor(key_positions, dtype=torch.int64, device=q.device)
     k_runs = _runs(key_positions, key_tile)
     rising = [all(a < b for a, b in zip(key_positions[c.start:c.stop], key_positions[c.start + 1:c.stop]))

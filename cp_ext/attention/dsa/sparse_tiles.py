@@ -14,11 +14,12 @@ against the same selected latent rows, so its work per selected (query, key) pai
   once.
 
 `plan_tile` picks by the count: union while ``T u <= pairs * (GATHER_SLOWDOWN + GATHER_COST_HEADS / h)``,
-the gather path's cost per pair relative to a GEMM's (a constant factor, and the row moves in
-head-equivalents of work). Either path
-gives the same result up to float rounding (tests/attention/dsa/test_sparse_attention.py runs both).
+the gather path's cost per pair relative to a GEMM's (a constant factor, and the row's move in
+head-equivalents of work). Either path gives the same result up to float rounding
+(tests/attention/dsa/test_sparse_attention.py runs both).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -149,30 +150,44 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 
 class Union:
-    """The union of a tile's selections ``cols`` [b, T, k] (rows of an n-row table, -1 padding): ``rows``
-    [b, u] (each batch entry's in increasing order, padded with row 0 to the largest count u) and ``mask``
-    [b, T, u], True where the query selected the row; ``pairs``: the selected pairs."""
+    """The union of a tile's selections ``cols`` [b, T, k] (rows of an n-row table, -1 padding). Counted at
+    once (``pairs`` selected, ``u`` the largest batch entry's union); built only when read: ``rows`` [b, u]
+    (each batch entry's in increasing order, padded with row 0) and ``mask`` [b, T, u], True where the query
+    selected the row."""
 
     def __init__(self, cols: torch.Tensor, n: int):
-        b, t, _ = cols.shape
-        valid = cols >= 0
-        self.pairs = int(valid.sum())
+        self.cols, b = cols, cols.shape[0]
+        self.valid = cols >= 0
+        self.pairs = int(self.valid.sum())
         marked = torch.zeros((b, n + 1), dtype=torch.bool, device=cols.device)
-        marked.scatter_(1, cols.masked_fill(~valid, n).view(b, -1), True)
-        marked = marked[:, :n]
-        u = int(marked.sum(1).max()) if self.pairs else 0
-        slot = marked.cumsum(1) - 1  # each marked row's place in its batch entry's union
-        where = marked.nonzero()
-        self.rows = torch.zeros((b, u), dtype=torch.int64, device=cols.device)
-        self.rows[where[:, 0], slot[where[:, 0], where[:, 1]]] = where[:, 1]
-        mask = torch.zeros((b, t, u + 1), dtype=torch.bool, device=cols.device)
-        mask.scatter_(2, torch.where(valid, slot.gather(1, cols.clamp(min=0).view(b, -1)).view(b, t, -1), u), True)
-        self.mask = mask[..., :u]
+        marked.scatter_(1, cols.masked_fill(~self.valid, n).view(b, -1), True)
+        self.marked = marked[:, :n]
+        self.u = int(self.marked.sum(1).max()) if self.pairs else 0
+
+    @functools.cached_property
+    def _slot(self) -> torch.Tensor:
+        return self.marked.cumsum(1) - 1  # each marked row's place in its batch entry's union
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        where = self.marked.nonzero()
+        rows = torch.zeros((self.cols.shape[0], self.u), dtype=torch.int64, device=self.cols.device)
+        rows[where[:, 0], self._slot[where[:, 0], where[:, 1]]] = where[:, 1]
+        return rows
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        b, t, _ = self.cols.shape
+        slots = self._slot.gather(1, self.cols.clamp(min=0).view(b, -1)).view(b, t, -1)
+        mask = torch.zeros((b, t, self.u + 1), dtype=torch.bool, device=self.cols.device)
+        mask.scatter_(2, torch.where(self.valid, slots, self.u), True)  # padding into the spare last column
+        return mask[..., :self.u]
 
     @property
     def computed(self) -> int:
         """The pairs the union path computes: every query of the tile against the whole (padded) union."""
-        return self.mask.numel()
+        b, t, _ = self.cols.shape
+        return b * t * self.u
 
     def cheaper_than_gather(self, heads: int) -> bool:
         """The count's choice (module docstring)."""
@@ -181,18 +196,20 @@ class Union:
 
 def plan_tile(block, selected: torch.Tensor, heads: int, path: str = "auto"):
     """How one tile of queries reads ``block``: a `GatherTile`, a `UnionTile`, or None when no query
-    selected a key in it. ``selected`` [b, T, k]: global positions, -1 padding."""
+    selected a key in it. ``selected`` [b, T, k]: global positions, -1 padding. Counts (opt-in,
+    tools/bench_attention.py, tools/bench_dsa_floor.py) the selected pairs and the pairs each path computes."""
     cols = block.columns(selected)
-    union = Union(cols, block.msg.shape[1])
+    union = None if path == "gather" else Union(cols, block.msg.shape[1])
+    if union is None or not union.cheaper_than_gather(heads) and path == "auto":
+        cols = compact(cols)  # counts the selected pairs
+        if cols is not None and WORK_COUNTER.enabled:
+            WORK_COUNTER.add("gather_pairs", int((cols >= 0).sum()))
+        return None if cols is None else GatherTile(block, cols)
     if union.pairs == 0:
         return None
-    gather = path == "gather" or (path == "auto" and not union.cheaper_than_gather(heads))
-    if WORK_COUNTER.enabled:  # opt-in (tools/bench_attention.py, tools/bench_dsa_floor.py): pairs computed, by path
-        WORK_COUNTER.add("gather_pairs" if gather else "union_pairs", union.pairs if gather else union.computed)
-    if gather:
-        return GatherTile(block, compact(cols))  # compact counts the selected pairs
     if WORK_COUNTER.enabled:
         WORK_COUNTER.add("pairs", union.pairs)
+        WORK_COUNTER.add("union_pairs", union.computed)
     return UnionTile(block, union.rows, union.mask)
 
 

@@ -225,8 +225,8 @@ def test_broken_backward_or_merge_fails_the_check(monkeypatch, path):
 
     def one_key_dropped(self, chosen):
         cols = original_columns(self, chosen)
-        first = cols.argmax(dim=-1, keepdim=True)  # each query's first key in this block
-        return cols.scatter(-1, first, -1)
+        last = cols.argmax(dim=-1, keepdim=True)  # each query's highest block row (a query with none: stays -1)
+        return cols.scatter(-1, last, -1)
 
     for target, name, broken in [(tiles, "scatter_add", no_value_grad), (KeyBlock, "columns", one_key_dropped)]:
         with monkeypatch.context() as m:
