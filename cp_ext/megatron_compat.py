@@ -37,6 +37,8 @@ row   what changed in megatron-core                since    cp_ext              
 11    an MTP layer's inner transformer layer       0.19     `model_layer_number`                   tests/training/
       numbers itself from 1 (``is_mtp_layer``),                                                    test_deepseek_v4_training.py (its
       not after the decoder's layers                                                               MTP layer's kind, router, streams)
+12    ``dist_checkpointing.save`` takes            0.19     `ASYNC_SAVE_KWARGS` (megatron-core's   tests/checkpoint/test_async_save.py
+      ``async_strategy``, default "nvrx"                    own async machinery: "mcore")
 --    a flag only newer releases have:             0.17     `MTP_REPEATED_LAYER`, `needs_release`  tests/test_megatron_compat.py
       ``--mtp-use-repeated-layer``                          (refused at parse time before 0.17)
 ====  ===========================================  =======  =====================================  ==========================================
@@ -129,6 +131,14 @@ def load_checkpoint(sharded_state_dict, directory, **kwargs):
     if _LOAD_TAKES_COMMON_STRATEGY:  # 0.16
         kwargs["common_strategy"] = _common_state_reader()
     return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
+
+
+# ---------------------------------------------------------------- row 12: async save strategy
+
+# From 0.19 an asynchronous save goes through nvidia-resiliency-ext's writer unless told otherwise;
+# cp_ext uses megatron-core's own (the one 0.16.1 has), which needs no extra package.
+ASYNC_SAVE_KWARGS = ({"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+                     else {})
 
 
 @functools.cache

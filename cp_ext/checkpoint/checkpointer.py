@@ -5,21 +5,26 @@ Why dist_checkpointing: every tensor is stored once under its global name (megat
 ``sharded_state_dict`` keys, the ones cp_ext's layout-invariant init already uses) with its
 shard's place in the full tensor, so a checkpoint written at one TP×PP×CP×DP×EP layout, with or
 without ``--use-distributed-optimizer``, loads at any other, in the layout and key names
-Megatron-LM's loader expects. Its save once "did not finish" on CPU/gloo: megatron-core 0.16's writer processes
-call ``psutil`` (not one of its dependencies) outside their error handling, die, and leave the
-parent waiting on a queue forever; cp_ext depends on psutil.
+Megatron-LM's loader expects. (megatron-core 0.16's writer processes call ``psutil``, not one of its
+dependencies, outside their error handling; cp_ext depends on psutil.)
 
 What each part of training saves is its own business (`cp_ext.checkpoint.state`); this module
 decides what to save and load (Megatron's --no-load-optim, --no-load-rng, --finetune) and makes it
 durable. The tensors are written by every rank in parallel, replicas spread over the DP×CP group
-(megatron's fully parallel save), so each rank writes about 1/(DP×CP) of them. The directory, the
-tracker, meta.json and the atomic publish are `cp_ext.checkpoint.disk_format`'s; the parse-time checks on
---load/--save are `cp_ext.checkpoint.checks`'.
+(megatron's fully parallel save, unless --no-ckpt-fully-parallel-save), so each rank writes about
+1/(DP×CP) of them; with --async-save they are written in the background (`cp_ext.checkpoint.async_writes`)
+and the checkpoint is published only once every rank's write has finished. Non-persistent checkpoints
+(--non-persistent-save-interval) go to their own directory (``global``) or to node-local files
+(``local``, `cp_ext.checkpoint.local_checkpoints`); --load resumes from the newest of all of them. The
+directory, the tracker, meta.json and the atomic publish are `cp_ext.checkpoint.disk_format`'s; the
+parse-time checks on --load/--save are `cp_ext.checkpoint.checks`'.
 """
 
 import argparse
+import functools
 import pickle
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,13 +33,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import merge
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from cp_ext import MEGATRON_CORE_VERSION
+from cp_ext.checkpoint.async_writes import AsyncWrites, install_file_results
 from cp_ext.checkpoint.disk_format import (
     META, MODEL_FLAGS, SCHEDULE_FLAGS, TENSOR_INDEX, TRACKER, complete_iterations, iteration_dir,
-    latest_iteration, publish, read_meta, staging_dir, write_meta,
+    latest_iteration, non_persistent_dir, publish, read_meta, remove_older_iterations, staging_dir, write_meta,
 )
+from cp_ext.checkpoint.local_checkpoints import META_KEY as LOCAL_META, LocalCheckpoints
+from cp_ext.checkpoint.failures import CheckpointReadError, CheckpointWriteError, agree_on_write
+from cp_ext.checkpoint.shape_check import shape_mismatches
 from cp_ext.checkpoint.state import (
     CONTENT_METADATA,
     CheckpointContext,
@@ -48,21 +60,7 @@ from cp_ext.checkpoint.state import (
 from cp_ext.console import print_rank_0
 from cp_ext.grid import Grid
 from cp_ext.errors import ConfigError
-from cp_ext.megatron_compat import load_checkpoint
-
-
-def _in_process_write_results():
-    """megatron's torch_dist writer hands its results back through a queue that lives in a
-    *spawned* multiprocessing Manager, made for its asynchronous save. That server process
-    outlives a rank that is killed (kill -9, OOM) and keeps the job's stdout and stderr open, so
-    the launcher never sees the job end. cp_ext saves synchronously, in the training process:
-    a plain queue carries the results and no server process is started."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+from cp_ext.megatron_compat import ASYNC_SAVE_KWARGS, load_checkpoint
 
 
 def checkpoint_meta(args, iteration, consumed_samples, train_samples, model_args):
@@ -98,8 +96,7 @@ class Checkpointer:
             "run": RunState(trainer),
             "rng": RngState(),
         }
-        self._save_strategy = None
-        self._saved_here = set()  # iterations this run saved (rank 0): the only ones a save may replace
+        self._init_saving()
 
     @classmethod
     def for_weights(cls, model_chunk, args, model_args):
@@ -108,34 +105,74 @@ class Checkpointer:
         self = cls.__new__(cls)
         self.trainer, self.args, self.model_args = None, args, model_args
         self.components = {"model": ModelState(model_chunk)}
-        self._save_strategy, self._saved_here = None, set()
+        self._init_saving()
         return self
+
+    def _init_saving(self):
+        args = self.args
+        self._save_strategy = None
+        self._saved_here = set()  # (root, iteration) this run saved (rank 0): the only ones a save may replace
+        self._writes = AsyncWrites() if getattr(args, "async_save", False) else None
+        self._waited_for_write = False  # said once: a save was due while the previous one was still writing
+        self.local = None
+        if getattr(args, "non_persistent_ckpt_type", None) == "local":
+            self.local = LocalCheckpoints(args)
+        self.last_stall_s = None  # how long the last save held training up (rank's own clock)
+        if self._writes is not None and getattr(args, "use_persistent_ckpt_worker", False):
+            print_rank_0("note: --use-persistent-ckpt-worker: cp_ext's --async-save forks one writer per save "
+                         "(megatron-core's TemporalAsyncCaller); the persistent worker is not used")
+        if getattr(args, "ckpt_fully_parallel_save_deprecated", False):
+            print_rank_0("note: --ckpt-fully-parallel-save is deprecated (as in Megatron-LM) and has no effect: "
+                         "fully parallel save is the default; --no-ckpt-fully-parallel-save turns it off")
 
     def _context(self, **kw):
         return CheckpointContext(model_sharded=self.components["model"].chunk.sharded_state_dict(), **kw)
 
     def _strategy(self):
-        """torch_dist, with replicas' writes spread over DP×CP (Megatron-LM's --ckpt-fully-parallel-save);
-        the distribution is computed once and reused by later saves."""
+        """torch_dist. With --ckpt-fully-parallel-save (the default) replicas' writes are spread over DP×CP;
+        with --ckpt-assume-constant-structure the plan and that distribution are computed once and reused
+        (megatron's cached structure), as Megatron-LM builds them."""
         if self._save_strategy is None:
-            _in_process_write_results()
-            self._save_strategy = FullyParallelSaveStrategyWrapper(
-                dist_checkpointing.serialization.get_default_save_sharded_strategy(),
-                parallel_state.get_data_parallel_group(with_context_parallel=True),
-                do_cache_distribution=True,
-            )
+            constant = self.args.ckpt_assume_constant_structure
+            strategy = dist_checkpointing.serialization.get_default_save_sharded_strategy()
+            strategy.use_cached_ckpt_structure = constant
+            if self.args.ckpt_fully_parallel_save:
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+                    do_cache_distribution=constant)
+            self._save_strategy = strategy
         return self._save_strategy
+
+    def _plan_reused(self):
+        """Whether the last save reused the cached plan (megatron validates the cache over two saves first)."""
+        strategy = getattr(self._save_strategy, "base_strategy", self._save_strategy)
+        return bool(getattr(strategy, "validated_cache_reuse", False))
 
     def meta(self, iteration):
         return checkpoint_meta(self.args, iteration, self.trainer.consumed_samples, len(self.trainer.dataset),
                                self.model_args)
 
-    def save(self, root):
-        """Save every component at the trainer's iteration (collective). A rank that cannot write (a full
-        disk, a quota, an I/O error) fails the save on every rank alike: `CheckpointWriteError`, naming the
-        directory and the cause, with the staging directory removed and the tracker left where it was."""
+    def _state(self):
+        ctx = self._context()
+        state = {}
+        for component in self.components.values():
+            state.update(component.state_dict(ctx))
+        return state
+
+    def save(self, root, wait=True, non_persistent=False):
+        """Save every component at the trainer's iteration under ``root`` (collective).
+
+        With --async-save and ``wait=False`` this returns once the tensors are handed to the background
+        writer; the checkpoint is published (meta.json, then the tracker) by `poll` or `finish` once every
+        rank's write has finished. A save still writing when this one is due is finished first. A rank that
+        cannot write (a full disk, a quota, an I/O error) fails the save on every rank alike:
+        `CheckpointWriteError`, naming the directory and the cause, with the staging directory removed and
+        the tracker left where it was. ``non_persistent``: a --non-persistent-ckpt-type global checkpoint,
+        which replaces the previous one."""
         iteration = self.trainer.iteration
-        final, tmp = iteration_dir(root, iteration), staging_dir(root, iteration)
+        self._finish_previous(iteration)
+        start = time.perf_counter()
+        tmp = staging_dir(root, iteration)
         failure = None
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
@@ -143,30 +180,100 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             except OSError as e:
                 failure = e
-        _agree_on_write(failure, root, iteration, tmp)
-        ctx = self._context()
-        state = {}
-        for component in self.components.values():
-            state.update(component.state_dict(ctx))
+        agree_on_write(failure, root, iteration, tmp)
+        state = self._state()
+        install_file_results().target(tmp, dist.get_rank())
+        request = None
         try:
-            dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
-                                    content_metadata=CONTENT_METADATA)
+            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
+                                              content_metadata=CONTENT_METADATA,
+                                              async_sharded_save=self._writes is not None, **ASYNC_SAVE_KWARGS)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank hears of it before any stops
             failure = e  # (torch's CheckpointException, what a failed write raises, is a BaseException)
-        _agree_on_write(failure, root, iteration, tmp)  # every rank's files are written (and fsynced)
+        agree_on_write(failure, root, iteration, tmp)  # every rank's files are written (and fsynced)
+        publish_here = functools.partial(self._publish, root, iteration, tmp, self.meta(iteration), non_persistent)
+        if self._writes is None:
+            publish_here()
+        else:
+            request.add_finalize_fn(publish_here)
+            self._writes.schedule(request, iteration, (root, tmp))
+            if wait:
+                self.finish()
+        self.last_stall_s = time.perf_counter() - start
+
+    def save_local(self):
+        """A --non-persistent-ckpt-type local checkpoint of the trainer's iteration (collective): each rank's
+        part into its node's --non-persistent-local-ckpt-dir (nvidia-resiliency-ext's local checkpoints)."""
+        iteration = self.trainer.iteration
+        self._finish_previous(iteration)
+        start = time.perf_counter()
+        state = self._state()
+        state[LOCAL_META] = self.meta(iteration)
+        request = self.local.save(state, iteration, is_async=self._writes is not None)
+        if request is not None:
+            request.add_finalize_fn(functools.partial(print_rank_0, f"saved non-persistent local checkpoint at "
+                                                                     f"iteration {iteration}"))
+            self._writes.schedule(request, iteration, None)
+        else:
+            print_rank_0(f"saved non-persistent local checkpoint at iteration {iteration}")
+        self.last_stall_s = time.perf_counter() - start
+
+    def _publish(self, root, iteration, tmp, meta, non_persistent):
+        """Every rank's tensor files are written: meta.json, the rename into place, the tracker (rank 0)."""
+        failure = note = None
         if dist.get_rank() == 0:
             try:
-                write_meta(tmp, self.meta(iteration))
-                note = publish(tmp, root, iteration, replaceable=iteration in self._saved_here)
+                write_meta(tmp, meta)
+                note = publish(tmp, root, iteration, replaceable=(str(root), iteration) in self._saved_here)
             except OSError as e:
                 failure = e
-        _agree_on_write(failure, root, iteration, tmp)
+        agree_on_write(failure, root, iteration, tmp)
         if dist.get_rank() == 0:
             if note:
                 print_rank_0(note)
-            self._saved_here.add(iteration)
-            print_rank_0(f"saved checkpoint at iteration {iteration} to {final}")
+            self._saved_here.add((str(root), iteration))
+            kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
+            print_rank_0(f"saved {kind} at iteration {iteration} to {iteration_dir(root, iteration)}"
+                         + (" (save plan reused: --ckpt-assume-constant-structure)" if self._plan_reused() else ""))
+            if non_persistent:  # Megatron-LM keeps the newest non-persistent checkpoint only
+                remove_older_iterations(root, iteration)
         dist.barrier()
+
+    def _finish_previous(self, iteration):
+        if self._writes is None or self._writes.in_flight is None:
+            return
+        if not self._waited_for_write:
+            self._waited_for_write = True
+            print_rank_0(f"--async-save: the save of iteration {self._writes.in_flight[0]} was still being written "
+                         f"when iteration {iteration}'s was due; waiting for it first (said once: a longer "
+                         f"--save-interval or --non-persistent-save-interval avoids the wait)")
+        self.finish()
+
+    def poll(self):
+        """Publish the background save if every rank's write has finished (collective; --async-save)."""
+        if self._writes is not None:
+            self._settle(self._writes.poll)
+
+    def finish(self):
+        """Wait for the background save and publish it (collective; --async-save)."""
+        if self._writes is not None:
+            self._settle(self._writes.finish)
+
+    def _settle(self, step):
+        in_flight = self._writes.in_flight
+        try:
+            step()
+        except CheckpointWriteError:
+            raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - megatron raises a failed write on every rank
+            iteration, where = in_flight[0], in_flight[1]
+            root, tmp = where if where else (self.args.non_persistent_local_ckpt_dir, None)
+            agree_on_write(e, root, iteration, tmp)
+
+    def abort(self):
+        """The run is failing: stop the background writer (its staging directory stays debris)."""
+        if self._writes is not None:
+            self._writes.abort()
 
     def _to_load(self):
         """Which components this run restores (Megatron-LM's --finetune, --no-load-optim, --no-load-rng)."""
@@ -181,48 +288,51 @@ class Checkpointer:
         return names
 
     def load(self, root):
-        """Restore the latest checkpoint under `root` (with --ckpt-fallback, the newest one that reads)."""
-        iteration = latest_iteration(root)
-        if iteration is None:
+        """Restore the newest checkpoint (collective): the latest under ``root`` (--load), or a newer
+        non-persistent one (Megatron-LM's choice: non-persistent wins a tie), saying which. With
+        --ckpt-fallback, the newest persistent one that reads."""
+        args = self.args
+        persistent = latest_iteration(root)
+        np_root = non_persistent_dir(args, root) if getattr(args, "non_persistent_ckpt_type", None) == "global" else None
+        np_global = latest_iteration(np_root) if np_root is not None and np_root.exists() else None
+        newest_other = max(-1 if persistent is None else persistent, -1 if np_global is None else np_global)
+        local = self.local.newest(newer_than=newest_other) if self.local is not None else -1  # collective
+        if local >= 0 and local >= newest_other:  # a tie goes to the non-persistent one, as in Megatron-LM
+            return self._load_local(local, newest_other)
+        if np_global is not None and np_global >= (-1 if persistent is None else persistent):
+            print_rank_0(f"the non-persistent checkpoint of iteration {np_global} in {np_root} is the newest "
+                         f"(persistent: {'none' if persistent is None else persistent}); loading it")
+            root, persistent = np_root, np_global
+        elif persistent is not None and max(local, -1 if np_global is None else np_global) >= 0:
+            print_rank_0(f"the persistent checkpoint of iteration {persistent} is the newest (non-persistent: "
+                         f"{max(local, -1 if np_global is None else np_global)}); loading it")
+        if persistent is None:
             print_rank_0(f"--load {root}: no checkpoint there yet ({TRACKER} missing); starting from scratch")
             return 0
-        candidates = [iteration] + [i for i in complete_iterations(root) if i < iteration]
+        candidates = [persistent] + [i for i in complete_iterations(root) if i < persistent]
         for n, candidate in enumerate(candidates):
             try:
                 return self._load_iteration(root, candidate)
             except CheckpointReadError as e:
-                if not self.args.ckpt_fallback or n + 1 == len(candidates):
-                    hint = ("" if self.args.ckpt_fallback else
+                if not args.ckpt_fallback or n + 1 == len(candidates):
+                    hint = ("" if args.ckpt_fallback else
                             "; add --ckpt-fallback to load the newest earlier checkpoint that reads")
                     raise CheckpointReadError(f"{e}{hint}") from None
                 print_rank_0(f"--ckpt-fallback: {e}; trying iteration {candidates[n + 1]}")
 
     def _load_iteration(self, root, iteration):
-        args, directory = self.args, iteration_dir(root, iteration)
+        directory = iteration_dir(root, iteration)
         meta_file = directory / META
         if not (directory / TENSOR_INDEX).exists() or not meta_file.exists():
             raise CheckpointReadError(f"{directory}: not a complete cp_ext torch_dist checkpoint "
                                       f"({TENSOR_INDEX if meta_file.exists() else META} missing)")
-        saved = read_meta(directory)
-        names = self._to_load()
-        cross_kind = "optimizer" in names and saved["optimizer_kind"] != optimizer_kind(args)
         torch.serialization.add_safe_globals([argparse.Namespace])  # Megatron-LM's `args` in common.pt
         try:
             saved_tensors = dist_checkpointing.load_tensors_metadata(str(directory))
-            ctx = self._context(saved=saved, saved_keys=frozenset(saved_tensors))
-            request = {}
-            for name in names:
-                merge(request, self.components[name].sharded_state_dict_for_load(ctx))
-            mismatches = shape_mismatches(request.get("model", {}), saved_tensors)
-            if mismatches:
-                raise ConfigError(f"  - --load {root}: iteration {iteration} holds another model than this run "
-                                  f"builds:\n" + "\n".join(f"    {m}" for m in mismatches)
-                                  + "\n    give the saving run's model flags, or --use-checkpoint-args to take "
-                                    "them from the checkpoint")
-            # Another optimizer kind reads the fp32 weights as its main params: the same tensor
-            # twice, which the access-integrity check would refuse.
-            state = load_checkpoint(request, directory, validate_access_integrity=not cross_kind)
-        except ConfigError:  # the run's model or megatron-core, not the files: said as such
+            read = functools.partial(self._read_torch_dist, directory)
+            return self._restore(f"--load {root}: iteration {iteration}", str(directory), read_meta(directory),
+                                 saved_tensors, read)
+        except (ConfigError, CheckpointReadError):  # the run's model or megatron-core, not the files: said as such
             raise
         except pickle.UnpicklingError as e:
             raise CheckpointReadError(
@@ -235,10 +345,62 @@ class Checkpointer:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointReadError(f"{directory}: unreadable checkpoint (truncated or corrupt?): "
                                       f"{type(e).__name__}: {first}") from None
+
+    def _read_torch_dist(self, directory, request, validate_access_integrity):
+        """Read ``request`` from a torch_dist directory, as --ckpt-fully-parallel-load and
+        --dist-ckpt-strictness say."""
+        args, kwargs = self.args, {}
+        if getattr(args, "ckpt_fully_parallel_load", False):
+            kwargs["sharded_strategy"] = FullyParallelLoadStrategyWrapper(
+                dist_checkpointing.serialization.get_default_load_sharded_strategy(str(directory)),
+                parallel_state.get_data_parallel_group(with_context_parallel=True))
+        strict = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
+        try:
+            state = load_checkpoint(request, directory, validate_access_integrity=validate_access_integrity,
+                                    strict=strict, **kwargs)
+        except CheckpointingException as e:
+            if strict.startswith("raise") and "keys" in str(e):
+                raise ConfigError(f"  - --dist-ckpt-strictness {strict}: {directory} and this run differ in "
+                                  f"their tensors: {' '.join(str(e).split())[:600]}; a looser setting "
+                                  f"(log_all, or Megatron-LM's default assume_ok_unexpected) loads what matches")
+            raise
+        if StrictHandling.requires_returning_mismatch_keys(StrictHandling(strict)):
+            state, missing, unexpected = state
+            print_rank_0(f"--dist-ckpt-strictness {strict}: {len(missing)} tensors of the checkpoint not read, "
+                         f"{len(unexpected)} requested tensors not in it")
+        return state
+
+    def _load_local(self, iteration, newest_other):
+        print_rank_0(f"the non-persistent local checkpoint of iteration {iteration} is the newest (persistent and "
+                     f"global: {newest_other if newest_other >= 0 else 'none'}); loading it")
+        saved, saved_tensors, read = self.local.load()
+        return self._restore(f"--non-persistent-local-ckpt-dir: iteration {iteration}",
+                             f"{self.args.non_persistent_local_ckpt_dir} (non-persistent, local)", saved,
+                             saved_tensors, read)
+
+    def _restore(self, what, where, saved, saved_tensors, read):
+        """Put a checkpoint into the components. ``saved``: its meta.json; ``saved_tensors``: its tensors'
+        metadata by key; ``read(request, validate_access_integrity)``: the requested state."""
+        args, iteration = self.args, saved["iteration"]
+        names = self._to_load()
+        cross_kind = "optimizer" in names and saved["optimizer_kind"] != optimizer_kind(args)
+        ctx = self._context(saved=saved, saved_keys=frozenset(saved_tensors))
+        request = {}
+        for name in names:
+            merge(request, self.components[name].sharded_state_dict_for_load(ctx))
+        mismatches = shape_mismatches(request.get("model", {}), saved_tensors)
+        if mismatches:
+            raise ConfigError(f"  - {what} holds another model than this run builds:\n"
+                              + "\n".join(f"    {m}" for m in mismatches)
+                              + "\n    give the saving run's model flags, or --use-checkpoint-args to take "
+                                "them from the checkpoint")
+        # Another optimizer kind reads the fp32 weights as its main params: the same tensor
+        # twice, which the access-integrity check would refuse.
+        state = read(request, not cross_kind)
         for name in names:
             self.components[name].load_state_dict(state, ctx)
         if args.finetune or self.trainer is None:
-            print_rank_0(f"--finetune: loaded the weights of iteration {iteration} from {directory}; starting at iteration 0")
+            print_rank_0(f"--finetune: loaded the weights of iteration {iteration} from {where}; starting at iteration 0")
             return 0
         if args.no_load_optim:  # Megatron's --no-load-optim: fresh Adam state, the new schedule from here on
             self.trainer.scheduler.step(increment=iteration)
@@ -247,85 +409,6 @@ class Checkpointer:
             notes.append("RNG states start from --seed (saved at another PP×TP×DP×CP grid)")
         if cross_kind:
             notes.append(f"optimizer state converted from the {saved['optimizer_kind']} optimizer's")
-        print_rank_0(f"loaded checkpoint of iteration {iteration} from {directory}"
+        print_rank_0(f"loaded checkpoint of iteration {iteration} from {where}"
                      + (f" ({'; '.join(notes)})" if notes else ""))
         return iteration
-
-
-# Which flags decide the shape of a tensor, by the tensor's checkpoint key: a mismatch names them.
-_SHAPE_FLAGS_BY_KEY = (
-    ("position_embeddings", "--max-position-embeddings (default: --seq-length)"),
-    ("word_embeddings", "--padded-vocab-size, --vocab-size or the tokenizer, --make-vocab-size-divisible-by"),
-    ("output_layer", "--padded-vocab-size, --vocab-size or the tokenizer, --make-vocab-size-divisible-by"),
-    ("router", "--num-experts, --hidden-size"),
-    ("shared_experts", "--moe-shared-expert-intermediate-size, --hidden-size, --swiglu"),
-    ("experts", "--num-experts, --moe-ffn-hidden-size, --hidden-size, --swiglu"),
-    ("linear_fc", "--ffn-hidden-size, --hidden-size, --swiglu"),
-    ("linear_qkv", "--num-attention-heads, --num-query-groups, --kv-channels, --hidden-size, --attention-output-gate"),
-    ("self_attention.in_proj", "--linear-num-key-heads, --linear-num-value-heads, --linear-key-head-dim, "
-                               "--linear-value-head-dim, --hidden-size"),
-    ("self_attention.conv1d", "--linear-conv-kernel-dim, --linear-num-key-heads, --linear-num-value-heads, "
-                              "--linear-key-head-dim, --linear-value-head-dim"),
-    ("self_attention.out_proj", "--linear-num-value-heads, --linear-value-head-dim, --hidden-size"),
-    ("self_attention.out_norm", "--linear-value-head-dim"),
-    ("A_log", "--linear-num-value-heads"),
-    ("dt_bias", "--linear-num-value-heads"),
-    ("linear_q", "--num-attention-heads, --hidden-size, --q-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim"),
-    ("linear_kv", "--kv-lora-rank, --qk-head-dim, --v-head-dim, --num-attention-heads"),
-    ("linear_proj", "--num-attention-heads, --kv-channels, --v-head-dim, --hidden-size"),
-    ("layernorm", "--hidden-size, --kv-channels, --normalization"),
-)
-
-
-def shape_mismatches(model_request, saved_tensors):
-    """Each model tensor whose global shape here differs from the checkpoint's: key, both shapes, the flags."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    out = {}
-    for t in nested_values(model_request):
-        if not isinstance(t, ShardedTensor) or t.key not in saved_tensors or t.key in out:
-            continue
-        here, there = tuple(t.global_shape), tuple(saved_tensors[t.key].global_shape)
-        if here != there:
-            flags = next((f for part, f in _SHAPE_FLAGS_BY_KEY if part in t.key), "the model flags")
-            out[t.key] = f"{t.key}: {list(there)} in the checkpoint, {list(here)} here (set by {flags})"
-    return list(out.values())
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save that failed on some rank, raised on every rank: the message names the directory and the cause."""
-
-
-def _agree_on_write(failure, root, iteration, staged):
-    """Collective: every rank learns whether any rank's part of the save failed, and stops alike. The staging
-    directory goes (it is what filled a full disk); the tracker still names the last complete checkpoint."""
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, None if failure is None else _cause(failure))
-    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
-    if not failed:
-        return
-    free = shutil.disk_usage(root).free / 2**20  # before the staging directory goes: what the save met
-    if dist.get_rank() == 0:
-        shutil.rmtree(staged, ignore_errors=True)
-    last = latest_iteration(root)
-    rank, text = next(((r, t) for r, t in failed if "Errno" in t), failed[0])  # an OS error says the most
-    raise CheckpointWriteError(
-        f"--save {root}: the checkpoint of iteration {iteration} could not be written ({len(failed)} of "
-        f"{len(failures)} ranks failed; rank {rank}: {text}; {free:.1f} MiB were free on its disk). The tracker "
-        f"still names {'iteration ' + str(last) if last is not None else 'no checkpoint'}; free space on {root} "
-        f"(or give --save another directory) and resume with --load")
-
-
-def _cause(error):
-    """One line for a failed save: torch's CheckpointException carries each rank's own error (the OS error,
-    where there is one), and its text is their tracebacks."""
-    if isinstance(error, CheckpointException) and error.failures:
-        errors = [e[0] if isinstance(e, tuple) else e for e in error.failures.values()]  # (error, its frames)
-        texts = [str(e).removeprefix("Worker failure: ") for e in errors]
-        return next((t for t in texts if "Errno" in t), texts[0])[:300]
-    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
-
-
-class CheckpointReadError(RuntimeError):
-    """A checkpoint that cannot be read: the message names the directory and what failed."""

@@ -73,8 +73,32 @@ def remove_staging_debris(root):
     return [p.name for p in debris]
 
 
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's: where global non-persistent checkpoints go by default
+
+
+def non_persistent_dir(args, root):
+    """Where --non-persistent-ckpt-type global checkpoints live: --non-persistent-global-ckpt-dir, else
+    ``non_persistent`` under ``root`` (the --save or --load directory), as Megatron-LM places them."""
+    if args.non_persistent_global_ckpt_dir:
+        return Path(args.non_persistent_global_ckpt_dir)
+    return None if root is None else Path(root) / NON_PERSISTENT_SUBDIR
+
+
+def remove_older_iterations(root, iteration):
+    """Delete the published checkpoints under ``root`` older than ``iteration`` (non-persistent ones: only
+    the newest is kept). Returns their names."""
+    import shutil
+
+    older = [d for d in Path(root).glob("iter_*") if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) < iteration]
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(p.name for p in older)
+
+
 def latest_iteration(root):
-    """The tracker's iteration, or None where there is no tracker."""
+    """The tracker's iteration, or None where there is no tracker (or no ``root``)."""
+    if root is None:
+        return None
     tracker = Path(root) / TRACKER
     if not tracker.exists():
         return None

@@ -29,7 +29,7 @@ from cp_ext.arguments import ConfigError, evaluation_splits, model_args
 from cp_ext.arguments.implementations import implementation_note
 from cp_ext.checkpoint.checkpointer import Checkpointer
 from cp_ext.checkpoint.disk_format import meta_to_load
-from cp_ext.checkpoint.disk_format import remove_staging_debris
+from cp_ext.checkpoint.disk_format import non_persistent_dir, remove_staging_debris
 from cp_ext.checkpoint.lock import acquire_save_lock, release_save_lock
 from cp_ext.config import transformer_config_from_args
 from cp_ext.console import print_rank_0
@@ -88,6 +88,9 @@ class Trainer:
             acquire_save_lock(args.save)  # before any heavy work: a second job saving there stops here
             if dist.get_rank() == 0 and (debris := remove_staging_debris(args.save)):
                 print_rank_0(f"--save {args.save}: removed what an unfinished save left: {', '.join(debris)}")
+        np_root = non_persistent_dir(args, args.save) if args.non_persistent_ckpt_type == "global" else None
+        if np_root is not None and np_root.exists() and dist.get_rank() == 0 and (debris := remove_staging_debris(np_root)):
+            print_rank_0(f"{np_root}: removed what an unfinished non-persistent save left: {', '.join(debris)}")
         self.dataset = build_train_dataset(args, train_samples(args))
         self.eval_datasets = {}
         for split in evaluation_splits(args):
@@ -271,6 +274,9 @@ class Trainer:
         try:
             history = self._train_loop(log, tokens_per_iteration)
             ended = True
+        except BaseException:
+            self.checkpointer.abort()  # a background write in flight is never published now: stop it
+            raise
         finally:  # an error too: what metrics.jsonl, wandb and TensorBoard hold reaches the disk
             self.metrics.close(failed=not ended)
         if history:
@@ -292,6 +298,7 @@ class Trainer:
                          f"{args.train_iters}; raise --train-iters to train on")
         exits = ExitConditions(args, self.device, self.started)
         while self.iteration < args.train_iters:
+            self.checkpointer.poll()  # --async-save: publish a background save that every rank finished
             start = time.perf_counter()
             metrics = self.train_step()
             elapsed = time.perf_counter() - start
@@ -303,11 +310,10 @@ class Trainer:
                 print_rank_0(stop)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and "valid" in self.eval_datasets:
                 evaluate_and_report(self, "valid", f"iteration {self.iteration}")
-            if args.save and (self.iteration == args.train_iters or stop
-                              or (args.save_interval and self.iteration % args.save_interval == 0)):
-                self.checkpointer.save(args.save)
+            self._maybe_save(stop)
             if stop:
                 break
+        self.checkpointer.finish()  # --async-save: the last save is written and published before the run ends
         exits.restore()
         if args.overlap_param_gather:  # the last step's parameter all-gather waits for a next forward: run it now
             for chunk in self.model:
@@ -315,6 +321,18 @@ class Trainer:
         if args.eval_interval and "test" in self.eval_datasets and history:
             evaluate_and_report(self, "test", f"iteration {self.iteration} on test set")
         return history
+
+    def _maybe_save(self, stop):
+        """A persistent checkpoint at --save-interval, the last iteration or a stop; else a non-persistent one
+        at --non-persistent-save-interval (Megatron-LM's order)."""
+        args, it = self.args, self.iteration
+        if args.save and (it == args.train_iters or stop or (args.save_interval and it % args.save_interval == 0)):
+            self.checkpointer.save(args.save, wait=False)
+        elif args.non_persistent_save_interval and it % args.non_persistent_save_interval == 0:
+            if args.non_persistent_ckpt_type == "local":
+                self.checkpointer.save_local()
+            else:
+                self.checkpointer.save(non_persistent_dir(args, args.save), wait=False, non_persistent=True)
 
     def open_metrics(self):
         self.metrics = MetricsLogger(self.args, start_iteration=self.iteration)
