@@ -22,16 +22,19 @@ def _worker(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, required=True)
+    p.add_argument("--only", default="saves,optimizers")
     known, flags = p.parse_known_args(argv)
     from cp_ext.bench.checkpoint import worker
 
-    worker([f for f in flags if f != "--"], known.repeats, known.out)
+    worker([f for f in flags if f != "--"], known.repeats, known.out, known.only.split(","))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", choices=("saves", "optimizers"), default=None,
+                   help="measure one of the two (default: both): the stall per kind of save, or the optimizer kinds")
     known, flags = p.parse_known_args()
     if not flags:
         flags = ["--config", "configs/cpu_demo.yaml", "--context-parallel-size", "1"]
@@ -39,7 +42,8 @@ def main():
     from cp_ext.bench.workers import WorkerError, run_workers
 
     try:
-        ranks = run_workers(__file__, known.nproc, ["--repeats", known.repeats, *flags], timeout=None)
+        only = ["--only", known.only] if known.only else []
+        ranks = run_workers(__file__, known.nproc, ["--repeats", known.repeats, *only, *flags], timeout=None)
     except WorkerError as e:
         sys.exit(f"bench_checkpoint: the run failed: {e}")
     print(f"checkpoint of {' '.join(flags)} on {known.nproc} ranks, median of {known.repeats} "

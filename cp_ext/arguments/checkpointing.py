@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 from cp_ext.flag_types import POSITIVE, number
 
@@ -103,6 +104,17 @@ def checkpoint_flag_problems(args):
     return problems
 
 
+def has_local_checkpoints():
+    """Whether nvidia-resiliency-ext's local checkpoint manager is installed: found, not imported (it imports
+    torch; parse time stays light)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_resiliency_ext")
+    return spec is not None and any(
+        Path(location, "checkpointing", "local", "ckpt_managers", "local_manager.py").exists()
+        for location in (spec.submodule_search_locations or []))
+
+
 def _non_persistent_problems(args):
     kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
     if kind is None:
@@ -122,9 +134,7 @@ def _non_persistent_problems(args):
         if not args.non_persistent_local_ckpt_dir:
             return ["--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a node-local "
                     "directory: an SSD or a ramdisk)"]
-        import importlib.util
-
-        if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # found, not imported: parse time stays light
+        if not has_local_checkpoints():
             return ["--non-persistent-ckpt-type local writes through nvidia-resiliency-ext's local checkpoints, "
                     "which is not installed: pip install nvidia-resiliency-ext (or use --non-persistent-ckpt-type "
                     "global)"]

@@ -118,45 +118,58 @@ def measure_optimizer_kinds(flags, repeats, root, rank):
     return results
 
 
-def worker(flags, repeats, out):
+def worker(flags, repeats, out, parts=("saves", "optimizers")):
     """One rank of the benchmark: both measurements, written to ``out/rank<r>.json``. The checkpoints go
     under ``out`` too (the ranks share this machine's disk)."""
-    import importlib.util
-
     import torch
+
+    from cp_ext.arguments.checkpointing import has_local_checkpoints
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the local modes need it
+    if not has_local_checkpoints():  # the local modes need nvidia-resiliency-ext
         for mode in [m for m, (extra, _) in SAVE_MODES.items() if "local" in extra]:
             del SAVE_MODES[mode]
     root = Path(out, "checkpoints")
-    results = {"saves": measure_saves(flags, repeats, root, rank),
-               "optimizers": measure_optimizer_kinds(flags, repeats, root, rank)}
+    measures = {"saves": measure_saves, "optimizers": measure_optimizer_kinds}
+    results = {part: measures[part](flags, repeats, root, rank) for part in parts}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def report(ranks, repeats):
     """The tables, from every rank's figures (the slowest rank sets each figure, as it holds the others)."""
     lines = []
-    saves = [r["saves"] for r in ranks]
+    if "saves" in ranks[0]:
+        lines += _saves_table([r["saves"] for r in ranks], repeats)
+    if "optimizers" in ranks[0]:
+        lines += _optimizers_table([r["optimizers"] for r in ranks], repeats)
+    return "\n".join(lines)
+
+
+def _saves_table(saves, repeats):
+    lines = []
     sync_held = statistics.median(max(s["synchronous"]["held_s"][i] for s in saves) for i in range(repeats))
     lines.append(f"{'save':<30}{'held s':>8}{'÷ sync':>8}{'iteration s':>13}{'next it. s':>12}{'rest s':>8}"
-                 f"  MiB per rank")
+                 f"{'cost ÷ sync':>13}  MiB per rank")
     for mode in saves[0]:
         held = statistics.median(max(s[mode]["held_s"][i] for s in saves) for i in range(repeats))
         following = statistics.median(max(s[mode]["next_iteration_s"][i] for s in saves) for i in range(repeats))
         rest = statistics.median(max(s[mode]["rest_of_write_s"][i] for s in saves) for i in range(repeats))
         plain = max(s[mode]["plain_iteration_s"] for s in saves)
         per_rank = " ".join(f"{s[mode]['rank_bytes'] / 2**20:.1f}" for s in saves)
+        cost = held + max(0.0, following - plain) + rest  # what training lost to this save, all told
         lines.append(f"{mode:<30}{held:>8.3f}{held / sync_held:>8.3f}{plain:>13.3f}{following:>12.3f}{rest:>8.3f}"
-                     f"  {per_rank}")
+                     f"{cost / sync_held:>13.3f}  {per_rank}")
     if len(saves[0]) < len(SAVE_MODES):
         lines.append("(the non-persistent local modes need nvidia-resiliency-ext: pip install nvidia-resiliency-ext)")
     lines.append("held: the save call's time (the loop waits); iteration: a plain one; next it.: the one trained "
-                 "while the background write runs; rest: what the write still took after it")
-    kinds = [r["optimizers"] for r in ranks]
-    lines.append("")
+                 "while the background write runs; rest: what the write still took after it; cost: held + the next "
+                 "iteration's slowdown + rest")
+    return lines
+
+
+def _optimizers_table(kinds, repeats):
+    lines = [""]
     lines.append(f"{'optimizer':<18}{'save s':>8}{'load s':>8}{'total MiB':>11}  bytes per rank (MiB; share)")
     for kind in OPTIMIZER_KINDS:
         save = statistics.median(max(k[kind]["save_s"][i] for k in kinds) for i in range(repeats))
@@ -164,4 +177,4 @@ def report(ranks, repeats):
         total = kinds[0][kind]["total_bytes"]
         shares = " ".join(f"{k[kind]['rank_bytes'] / 2**20:.2f} ({k[kind]['rank_bytes'] / total:.2f})" for k in kinds)
         lines.append(f"{kind:<18}{save:>8.2f}{load:>8.2f}{total / 2**20:>11.2f}  {shares}")
-    return "\n".join(lines)
+    return lines

@@ -184,8 +184,11 @@ class Checkpointer:
         state = self._state()
         install_file_results().target(tmp, dist.get_rank())
         request = None
+        # As Megatron-LM: with --ckpt-assume-constant-structure the sharding is validated at the first save only
+        validate = not (self.args.ckpt_assume_constant_structure and self._save_strategy is not None)
         try:
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
+                                              validate_access_integrity=validate,
                                               content_metadata=CONTENT_METADATA,
                                               async_sharded_save=self._writes is not None, **ASYNC_SAVE_KWARGS)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank hears of it before any stops

@@ -25,6 +25,7 @@ import time
 import pytest
 
 from cp_ext.arguments import ConfigError, parse_args
+from cp_ext.arguments.checkpointing import has_local_checkpoints
 from cp_ext.checkpoint.disk_format import TRACKER
 from tests.launch import REPO_ROOT, run_script, start_script
 
@@ -123,15 +124,7 @@ def test_load_takes_the_newest_global_non_persistent_checkpoint(runs, tmp_path):
     assert _losses(tmp_path / "log") == {6: sync[6]}
 
 
-def _has_local_checkpoints():
-    try:
-        import nvidia_resiliency_ext.checkpointing.local  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_local_checkpoints(), reason="nvidia-resiliency-ext is not installed (the dev extra "
+@pytest.mark.skipif(not has_local_checkpoints(), reason="nvidia-resiliency-ext is not installed (the dev extra "
                     "installs it on Python < 3.12: megatron-core 0.19 fails to import beside its release 0.4.1)")
 def test_local_checkpoints_resume_and_fall_back_when_a_rank_lost_its_part(runs, tmp_path):
     root, sync, _, _ = runs
