@@ -124,6 +124,8 @@ class AsyncWrites:
         return iteration
 
     def abort(self):
-        """Stop the writer without finalizing (the run is failing): its staging directory stays debris."""
-        self.queue.close(abort=True)
+        """Kill the writer without finalizing (the run is failing): its staging directory stays debris.
+        (megatron's ``AsyncCallsQueue.close(abort=True)`` stops a persistent worker only.)"""
+        while self.queue.async_calls:
+            self.queue.async_calls.popleft().async_caller.close(abort=True)
         self.in_flight = None

@@ -1,10 +1,13 @@
-"""A node crash: a node of a running 2-node job dies; the job is requeued and resumes.
+"""A node crash: a node of a running 2-node job dies while a checkpoint is being written in the background;
+the job is requeued and resumes from the last complete one.
 
 A 3-node cluster (tests/scripts/multinode_cluster.py, ``SlurmdTimeout=10`` so slurmctld marks a dead
 node DOWN within about 10-20 s) runs scripts/slurm_multi_node.sbatch on 2 nodes (n1, the batch host,
-and n2), submitted with ``--requeue --open-mode=append`` and trained with ``--save-interval 2``
-into a checkpoint directory on the shared filesystem. After iteration 3 the test SIGKILLs n2 (its
-namespace holder: everything on it dies at once, its network with it). Then:
+and n2), submitted with ``--requeue --open-mode=append`` and trained with ``--save-interval 2 --async-save``
+into a checkpoint directory on the shared filesystem, each background write held 4 s
+(``CP_EXT_ASYNC_WRITE_DELAY``). After iteration 5, with iteration 4's write in flight (its staging directory
+there, the tracker at 2), the test SIGKILLs n2 (its namespace holder: everything on it dies at once, its
+network with it). Then:
 
 * the surviving rank on n1 prints one line naming the lost peer (n2's address) and exits 1 within
   ``--distributed-timeout-minutes`` + 30 s of the kill;
@@ -32,7 +35,7 @@ SCRIPT = REPO_ROOT / "scripts" / "slurm_multi_node.sbatch"
 ITERS = 6
 TIMEOUT_MINUTES = 1
 FLAGS = ["configs/cpu_demo.yaml", "--tensor-model-parallel-size", "1", "--train-iters", str(ITERS),
-         "--lr-warmup-iters", "1", "--log-interval", "1", "--save-interval", "2",
+         "--lr-warmup-iters", "1", "--log-interval", "1", "--save-interval", "2", "--async-save",
          "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
 TRACKER = "latest_checkpointed_iteration.txt"
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", None)
@@ -80,14 +83,15 @@ def ranks_and_torchrun(cluster, node):
 
 
 def _crash(tmp_path):
-    """Submit, kill n2 after iteration 3, follow the job to its end; what was seen, for the test."""
+    """Submit, kill n2 after iteration 5 (iteration 4's write in flight), follow the job to its end; what was
+    seen, for the test."""
     ckpt, run_dir, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "job.out"
     # DOWN 10-20 s after the kill; a requeued job eligible 10 s after the requeue (not 120); the
     # scheduler's periodic pass every 5 s (not 60), which is what starts a job whose begin time passed.
     settings = {"SlurmdTimeout": 10, "AuthInfo": "cred_expire=10",
                 "SchedulerParameters": "sched_interval=5"}
     with running_cluster(tmp_path / "c", num_nodes=3, settings=settings) as cluster:
-        env = cluster.cpu_job_env()
+        env = {**cluster.cpu_job_env(), "CP_EXT_ASYNC_WRITE_DELAY": "4"}
         sub = cluster.run(["sbatch", "--requeue", "--open-mode=append", "--nodes=2", f"--output={out}",
                            "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--job-name=cp_ext_nodecrash",
                            str(SCRIPT), *FLAGS, "--log-dir", run_dir, "--save", ckpt, "--load", ckpt],
@@ -101,11 +105,16 @@ def _crash(tmp_path):
         log = lambda: out.read_text() if out.exists() else ""  # noqa: E731
         try:
             started = time.monotonic()
-            while not re.search(r"^ iteration +3/", log(), re.M):
+            def in_flight():  # iteration 4's background write, with iteration 2 the last complete checkpoint
+                tracker = ckpt / TRACKER
+                return ((ckpt / "iter_0000004.tmp").is_dir() and tracker.exists()
+                        and tracker.read_text().strip() == "2" and re.search(r"^ iteration +5/", log(), re.M))
+
+            while not in_flight():
                 state = cluster.job_fields(job).get("JobState")
                 assert time.monotonic() - started < 240 and state in ("PENDING", "CONFIGURING", "RUNNING"), \
-                    f"{state}: no iteration 3\n{log()[-4000:]}\n{cluster.logs()}"
-                time.sleep(0.1)
+                    f"{state}: iteration 4's write never seen in flight\n{log()[-4000:]}\n{cluster.logs()}"
+                time.sleep(0.05)
             batch_node, victim = cluster.run(["scontrol", "show", "hostnames", cluster.job_fields(job)["NodeList"]]
                                              ).stdout.split()
             assert all(ranks_and_torchrun(cluster, batch_node)), "no rank or torchrun on the batch node"
@@ -153,7 +162,8 @@ def test_node_crash(tmp_path_factory, tmp_path):
     Measured on the 2-core machine (the kill at t = 0): the surviving rank printed its line and exited
     0.004-0.07 s after the kill, its torchrun 0.7-0.9 s (limit: 60 + 30 s); slurmctld marked the node DOWN
     and requeued the job at 13-31 s (SlurmdTimeout=10 plus its ping interval); the requeued run started
-    on n1 and n3 12 s later and ended 24-31 s after that. The whole test: 90-100 s (and 127 s when the
+    on n1 and n3 12 s later and ended 24-31 s after that. The whole test: 90-100 s, 120 s with the
+    background writes held 4 s each (and 127 s when the
     scheduler still ran only every 60 s; 201 s with the default cred_expire=120: knobs a real cluster
     keeps at their defaults, so there expect a requeued job to start about 2 minutes after the node
     is marked DOWN)."""
@@ -173,9 +183,11 @@ def test_node_crash(tmp_path_factory, tmp_path):
     assert len(runs) == 2 and seen["second_hosts"] and victim not in seen["second_hosts"], context
     requeued = re.findall(r"^cp_ext: job (\d+) was requeued \(SLURM_RESTART_COUNT=(\d+)\)", text, re.M)
     assert requeued == [(job, "1")], context
-    # It resumed from the last checkpoint the crashed run completed (2 or 4: the kill came after iteration 3).
+    # It resumed from the last checkpoint the crashed run completed (2: iteration 4's write was in flight), and
+    # removed the unfinished one.
     resumed = re.findall(r"^loaded checkpoint of iteration (\d+) from " + re.escape(str(ckpt)), text, re.M)
-    assert len(resumed) == 1 and int(resumed[0]) in (2, 4), context
+    assert resumed == ["2"], context
+    assert f"--save {ckpt}: removed what an unfinished save left: iter_0000004.tmp" in text, context
     second = text[text.index("loaded checkpoint of iteration"):]
     assert re.findall(r"^ iteration +(\d+)/", second, re.M) == [str(i) for i in range(int(resumed[0]) + 1, ITERS + 1)]
     # The tracker only ever named complete checkpoints, in order, ending at the last iteration.
