@@ -72,8 +72,9 @@ def install_file_results():
 
 def _die_with_parent(write, *args, **kwargs):
     """The forked writer: SIGKILL when the rank that forked it dies, then megatron's write function."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux's; elsewhere the writer may outlive
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the rank died between the fork and the prctl
         os._exit(1)
     delay = float(os.environ.get("CP_EXT_ASYNC_WRITE_DELAY", "0"))  # tests: a write still in flight
