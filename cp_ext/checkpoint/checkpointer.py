@@ -38,13 +38,13 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
-from cp_ext import MEGATRON_CORE_VERSION
 from cp_ext.checkpoint.async_writes import AsyncWrites, install_file_results
 from cp_ext.checkpoint.disk_format import (
-    META, MODEL_FLAGS, SCHEDULE_FLAGS, TENSOR_INDEX, TRACKER, complete_iterations, iteration_dir,
+    META, TENSOR_INDEX, TRACKER, complete_iterations, iteration_dir,
     latest_iteration, non_persistent_dir, publish, read_meta, remove_older_iterations, staging_dir, write_meta,
 )
 from cp_ext.checkpoint.local_checkpoints import META_KEY as LOCAL_META, LocalCheckpoints
+from cp_ext.checkpoint.common_state import checkpoint_meta, comparable_common_state
 from cp_ext.checkpoint.failures import CheckpointReadError, CheckpointWriteError, agree_on_write
 from cp_ext.checkpoint.shape_check import shape_mismatches
 from cp_ext.checkpoint.state import (
@@ -58,27 +58,8 @@ from cp_ext.checkpoint.state import (
     optimizer_kind,
 )
 from cp_ext.console import print_rank_0
-from cp_ext.grid import Grid
 from cp_ext.errors import ConfigError
 from cp_ext.megatron_compat import ASYNC_SAVE_KWARGS, load_checkpoint
-
-
-def checkpoint_meta(args, iteration, consumed_samples, train_samples, model_args):
-    """meta.json: what parse-time checks and a loading run need before reading any tensor (also written by
-    tools/convert_hf.py's import, which trains nothing: 0 and 0). ``model_args``: every model flag of
-    the run (`cp_ext.arguments.model_args`), what --use-checkpoint-args gives a loading run."""
-    return {"iteration": iteration, "format": "torch_dist", "megatron_core": MEGATRON_CORE_VERSION,
-            "world_size": dist.get_world_size(),
-            "grid": {**Grid.from_args(args, world_size=dist.get_world_size()).as_meta(),
-                     "use_distributed_optimizer": args.use_distributed_optimizer},
-            "optimizer_kind": optimizer_kind(args), "rng_grid": RngState.grid(),
-            "schedule": {name: getattr(args, name) for name in SCHEDULE_FLAGS},
-            "model": {name: getattr(args, name) for name in MODEL_FLAGS},
-            "model_args": model_args,
-            # DSA's dense warm-up: its optimizer state covers the indexer's parameters only
-            "dsa_dense_warmup": bool(getattr(args, "dsa_dense_warmup", False)),
-            # the data position, and the length the train dataset's sample order was built for
-            "consumed_samples": consumed_samples, "train_samples": train_samples}
 
 
 class Checkpointer:
@@ -189,6 +170,7 @@ class Checkpointer:
         try:
             request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self._strategy(),
                                               validate_access_integrity=validate,
+                                              preprocess_common_before_consistancy_check=comparable_common_state,
                                               content_metadata=CONTENT_METADATA,
                                               async_sharded_save=self._writes is not None, **ASYNC_SAVE_KWARGS)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank hears of it before any stops

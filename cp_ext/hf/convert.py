@@ -156,7 +156,7 @@ def import_checkpoint(hf_dir, save, grid_flags=()):
 
     from cp_ext.hf.streaming import meta_model, save_streaming
     from cp_ext.arguments import model_args
-    from cp_ext.checkpoint.checkpointer import checkpoint_meta
+    from cp_ext.checkpoint.common_state import checkpoint_meta
     from cp_ext.checkpoint.disk_format import iteration_dir, publish_root, write_meta, write_tracker
     from cp_ext.checkpoint.state import CONTENT_METADATA
 

@@ -227,3 +227,16 @@ def test_dist_ckpt_strictness_is_megatrons(runs, tmp_path):
     assert proc.returncode != 0 and proc.stderr.count("--dist-ckpt-strictness raise_all:") == 1, proc.stderr[-3000:]
     proc = run_script(0, REPO_ROOT / "pretrain_moe.py", *FLAGS, "--dist-ckpt-strictness", "strict", check=False)
     assert proc.returncode == 2 and proc.stderr.count("--dist-ckpt-strictness") == 1, proc.stderr[-2000:]
+
+
+@pytest.mark.quick
+def test_ranks_compare_the_common_state_without_their_own_flags():
+    """Before rank 0 writes the common state, megatron compares every rank's: the flags that are each rank's own
+    (the default --log-dir carries each rank's clock) are left out, as Megatron-LM leaves out rank and local_rank."""
+    import argparse
+
+    from cp_ext.checkpoint.common_state import comparable_common_state
+
+    common = {"iteration": 3, "args": argparse.Namespace(log_dir="runs/run-20261207-235959", lr=1e-3, rank=1)}
+    assert comparable_common_state(common) == {"iteration": 3, "args": {"lr": 1e-3}}
+    assert isinstance(common["args"], argparse.Namespace)  # what is saved keeps them
