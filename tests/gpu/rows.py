@@ -11,6 +11,7 @@ from tests.attention.bounds import gpu_check_bound, ratio_to_bound
 PASS, FAIL, NOT_COVERED = "PASS", "FAIL", "not covered"
 CUDA_KERNELS = "pytest tests/attention/kernels/test_cuda_kernels.py"
 FAMILIES = "Megatron-LM's MoE scripts on 1 GPU"
+ASYNC_SAVE = "--async-save on 1 GPU"
 MULTI_GPU = ("NCCL attention: ring / Ulysses / hybrid", "demo training --bf16: loss falls",
              "bench_attention: bytes == formula", "model grid equivalence CP2 ring/Ulysses vs 1 GPU (fp32, 1e-5)")
 

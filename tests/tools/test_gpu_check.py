@@ -339,6 +339,16 @@ def test_family_rows_pass_a_real_run_and_fail_a_broken_one(monkeypatch, tmp_path
     assert bad["status"] == FAIL and "exit 2" in bad["figure"], bad
 
 
+def test_async_save_row_passes_a_real_run_and_fails_a_broken_one(monkeypatch, tmp_path):
+    """The async-save row on real (CPU) runs: PASS when both runs publish every checkpoint with the same tensors;
+    a run that cannot start is a FAIL row, never a pass."""
+    monkeypatch.setattr(runs, "run_logged", _forked)
+    ok = runs.async_save_row(tmp_path / "ok", 240, device="cpu")
+    assert ok["status"] == "PASS" and ok["figure"].endswith("losses 0.0e+00 apart"), ok
+    bad = runs.async_save_row(tmp_path / "bad", 240, device="cpu", extra=["--no-such-flag"])
+    assert bad["status"] == FAIL and "exit 2" in bad["figure"], bad
+
+
 # ---------------------------------------------------------------- the CPU run (started with the module's first test)
 def test_cpu_run_passes_every_kernel_dtype_and_mask(cpu_run):
     proc, summary = cpu_run
