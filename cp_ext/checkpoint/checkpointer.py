@@ -24,7 +24,6 @@ import argparse
 import functools
 import pickle
 import shutil
-import time
 
 import torch
 import torch.distributed as dist
@@ -98,7 +97,6 @@ class Checkpointer:
         self.local = None
         if getattr(args, "non_persistent_ckpt_type", None) == "local":
             self.local = LocalCheckpoints(args)
-        self.last_stall_s = None  # how long the last save held training up (rank's own clock)
         if self._writes is not None and getattr(args, "use_persistent_ckpt_worker", False):
             print_rank_0("note: --use-persistent-ckpt-worker: cp_ext's --async-save forks one writer per save "
                          "(megatron-core's TemporalAsyncCaller); the persistent worker is not used")
@@ -152,7 +150,6 @@ class Checkpointer:
         which replaces the previous one."""
         iteration = self.trainer.iteration
         self._finish_previous(iteration)
-        start = time.perf_counter()
         tmp = staging_dir(root, iteration)
         failure = None
         if dist.get_rank() == 0:
@@ -184,14 +181,12 @@ class Checkpointer:
             self._writes.schedule(request, iteration, (root, tmp))
             if wait:
                 self.finish()
-        self.last_stall_s = time.perf_counter() - start
 
     def save_local(self):
         """A --non-persistent-ckpt-type local checkpoint of the trainer's iteration (collective): each rank's
         part into its node's --non-persistent-local-ckpt-dir (nvidia-resiliency-ext's local checkpoints)."""
         iteration = self.trainer.iteration
         self._finish_previous(iteration)
-        start = time.perf_counter()
         state = self._state()
         state[LOCAL_META] = self.meta(iteration)
         request = self.local.save(state, iteration, is_async=self._writes is not None)
@@ -201,7 +196,6 @@ class Checkpointer:
             self._writes.schedule(request, iteration, None)
         else:
             print_rank_0(f"saved non-persistent local checkpoint at iteration {iteration}")
-        self.last_stall_s = time.perf_counter() - start
 
     def _publish(self, root, iteration, tmp, meta, non_persistent):
         """Every rank's tensor files are written: meta.json, the rename into place, the tracker (rank 0)."""
